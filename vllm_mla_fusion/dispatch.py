@@ -1,0 +1,123 @@
+"""Backend selection: which implementation runs a call.
+
+Order of precedence: the ``backend=`` keyword, then ``VLLM_MLA_FUSION_BACKEND``,
+then automatic choice by device:
+
+- CPU tensors: ``torch`` (the reference).
+- GPU tensors: ``aiter`` on ROCm when ``VLLM_ROCM_USE_AITER=1`` and AITER's
+  fused op is importable and supports the call; ``triton`` otherwise.
+
+A backend that is asked for by name but cannot run is an error (never a
+silent fallback). ``triton`` runs CPU tensors only in Triton's interpreter
+(``TRITON_INTERPRET=1``), which is how the Triton kernel is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+
+BACKENDS = ("torch", "triton", "aiter")
+ENV_BACKEND = "VLLM_MLA_FUSION_BACKEND"
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def triton_interpreting() -> bool:
+    return _env_flag("TRITON_INTERPRET")
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def requested_backend(backend: str | None = None) -> str:
+    """The backend named by the keyword or the environment, or "auto"."""
+    name = backend if backend not in (None, "", "auto") else os.environ.get(ENV_BACKEND, "auto")
+    name = (name or "auto").strip().lower()
+    if name != "auto" and name not in BACKENDS:
+        source = "backend" if backend not in (None, "", "auto") else ENV_BACKEND
+        raise ValueError(f"{source}={name!r} is not a backend; expected 'auto' or one of {BACKENDS}")
+    return name
+
+
+def _triton_unavailable_reason(device: torch.device) -> str | None:
+    if not triton_available():
+        return "the triton package is not installed"
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu" and triton_interpreting():
+        return None
+    if device.type == "cpu":
+        return "CPU tensors run the Triton kernel only in Triton's interpreter; set TRITON_INTERPRET=1"
+    return f"Triton does not run on {device.type} tensors"
+
+
+def resolve(backend: str | None, device: torch.device, decode: bool, problem=None) -> str:
+    """Name of the backend that runs a call on ``device``.
+
+    ``decode`` says which op is asked for (the AITER HIP op only implements the
+    decode op); ``problem`` (a validation.Problem) lets AITER decline shapes it
+    does not handle when the choice is automatic.
+    """
+    name = requested_backend(backend)
+    if name == "torch":
+        return name
+    if name == "triton":
+        reason = _triton_unavailable_reason(device)
+        if reason:
+            raise RuntimeError(f"backend 'triton' was requested but cannot run: {reason}")
+        return name
+    if name == "aiter":
+        from .backends import aiter as aiter_backend
+
+        reason = aiter_backend.unavailable_reason(device)
+        if reason:
+            raise RuntimeError(f"backend 'aiter' was requested but cannot run: {reason}")
+        # AITER covers some cases only (docs/rocm.md); the rest take our Triton kernel.
+        return "aiter" if aiter_backend.applies(decode, problem) else "triton"
+    # auto
+    if device.type != "cuda":
+        return "torch"
+    if torch.version.hip is not None and _env_flag("VLLM_ROCM_USE_AITER"):
+        from .backends import aiter as aiter_backend
+
+        if aiter_backend.unavailable_reason(device) is None and aiter_backend.applies(decode, problem):
+            return "aiter"
+    return "triton"
+
+
+def load(name: str) -> ModuleType:
+    """The backend module; imported on first use so that triton/aiter stay optional."""
+    if name == "torch":
+        from .backends import reference
+
+        return reference
+    if name == "triton":
+        from .backends import triton as triton_backend
+
+        return triton_backend
+    if name == "aiter":
+        from .backends import aiter as aiter_backend
+
+        return aiter_backend
+    raise ValueError(f"unknown backend {name!r}")
+
+
+def available_backends(device: torch.device | str = "cpu") -> list[str]:
+    """The backends that can run on ``device`` on this machine, in order of preference."""
+    device = torch.device(device)
+    names = ["torch"]
+    if _triton_unavailable_reason(device) is None:
+        names.insert(0, "triton")
+    if device.type == "cuda":
+        from .backends import aiter as aiter_backend
+
+        if aiter_backend.unavailable_reason(device) is None:
+            names.insert(0, "aiter")
+    return names

@@ -1,0 +1,100 @@
+"""Cache and query element formats: which float type a tensor stores, and fp8 saturation.
+
+vLLM allocates fp8 KV caches as ``torch.uint8`` storage and names the format
+with a string (``kv_cache_dtype``); AITER and Triton want a typed fp8 tensor.
+Everything here is shape/dtype logic on the host: no device work, no sync.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2)
+ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# vLLM's cache-dtype vocabulary (vllm/config/cache.py), plus plain float names.
+_E4M3_NAMES = ("fp8", "fp8_e4m3")
+_FLOAT_NAMES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+KV_CACHE_DTYPES = ("auto", *_E4M3_NAMES, "fp8_e5m2", *_FLOAT_NAMES)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES
+
+
+@functools.lru_cache(maxsize=None)
+def platform_fp8_e4m3(device: torch.device) -> torch.dtype:
+    """The e4m3 flavour vLLM means by "fp8" on ``device``.
+
+    MI300-class GPUs (gfx942) use the "fnuz" encoding (bias 8, max 240);
+    everything else, MI350 (gfx950) and NVIDIA included, uses e4m3fn (max 448).
+    Cached per device: the property query is not free and never changes.
+    """
+    if device.type == "cuda" and torch.version.hip is not None:
+        arch = torch.cuda.get_device_properties(device).gcnArchName
+        if arch.startswith("gfx94"):
+            return torch.float8_e4m3fnuz
+    return torch.float8_e4m3fn
+
+
+def cache_store_dtype(kv_cache: torch.Tensor, kv_cache_dtype: str) -> torch.dtype:
+    """The element format written into ``kv_cache``, checked against ``kv_cache_dtype``.
+
+    Raises ValueError/TypeError naming the argument when the string and the
+    tensor disagree (an fp8 string with a bf16 cache, "auto" with uint8
+    storage whose format nobody named, e5m2 named for an e4m3 tensor, ...).
+    """
+    if not isinstance(kv_cache_dtype, str):
+        raise TypeError(f"kv_cache_dtype must be a str, got {type(kv_cache_dtype).__name__}")
+    name = kv_cache_dtype.lower()
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported; expected one of {KV_CACHE_DTYPES} "
+            "(fp8_ds_mla and other sparse-MLA layouts are not handled by this op)"
+        )
+    dtype = kv_cache.dtype
+    if dtype == torch.uint8:
+        if name in _E4M3_NAMES:
+            return platform_fp8_e4m3(kv_cache.device)
+        if name == "fp8_e5m2":
+            return torch.float8_e5m2
+        raise ValueError(
+            f"kv_cache is uint8 storage, so kv_cache_dtype must name its fp8 format "
+            f"('fp8', 'fp8_e4m3' or 'fp8_e5m2'), got {kv_cache_dtype!r}"
+        )
+    if dtype not in ACTIVATION_DTYPES and dtype not in FP8_DTYPES:
+        raise TypeError(
+            f"kv_cache dtype {dtype} is not supported; expected bfloat16, float16, float32, "
+            "an fp8 dtype, or uint8 storage of fp8"
+        )
+    if name == "auto":
+        return dtype
+    if name in _FLOAT_NAMES:
+        if _FLOAT_NAMES[name] != dtype:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} does not match kv_cache dtype {dtype}")
+        return dtype
+    expected = (torch.float8_e4m3fn, torch.float8_e4m3fnuz) if name in _E4M3_NAMES else (torch.float8_e5m2,)
+    if dtype not in expected:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} does not match kv_cache dtype {dtype}")
+    return dtype
+
+
+def typed_view(t: torch.Tensor, store_dtype: torch.dtype) -> torch.Tensor:
+    """``t`` viewed as ``store_dtype`` (uint8 fp8 storage becomes a typed fp8 view)."""
+    return t if t.dtype == store_dtype else t.view(store_dtype)
+
+
+def saturate_to_fp8(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``saturate(x / scale)`` rounded to ``dtype``: finite values never become inf or NaN."""
+    if scale is not None:
+        x = x / scale.to(x.dtype)
+    fmax = torch.finfo(dtype).max
+    return x.clamp(-fmax, fmax).to(dtype)

@@ -1,0 +1,184 @@
+"""The public ops and their ``torch.library`` registrations (namespace ``mla_fusion``).
+
+Each public function is a thin call of its custom op, so eager code,
+``torch.compile(fullgraph=True)`` and CUDA/HIP graph capture all go through
+the same path: validation (shape/dtype only, no sync), backend selection
+(dispatch.py), one backend call. The fakes run the same validation, so a bad
+call fails at trace time with the same message.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import dispatch
+from .validation import check_decode_rope_cache_write, check_rope_cache_write
+
+__all__ = ["mla_rope_cache_write", "mla_decode_rope_cache_write"]
+
+
+@torch.library.custom_op("mla_fusion::mla_rope_cache_write", mutates_args=("q_pe", "k_pe", "kv_cache"))
+def _mla_rope_cache_write_op(
+    positions: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    kv_cache_scale: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> None:
+    p = check_rope_cache_write(
+        positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_dtype, kv_cache_scale
+    )
+    name = dispatch.resolve(backend, q_pe.device, decode=False, problem=p)
+    if p.num_tokens == 0:
+        return
+    dispatch.load(name).rope_cache_write(
+        p, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_scale
+    )
+
+
+@_mla_rope_cache_write_op.register_fake
+def _(positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache,
+      kv_cache_dtype="auto", kv_cache_scale=None, backend="auto") -> None:  # fmt: skip
+    check_rope_cache_write(
+        positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_dtype, kv_cache_scale
+    )
+    dispatch.requested_backend(backend)
+
+
+@torch.library.custom_op("mla_fusion::mla_decode_rope_cache_write", mutates_args=("kv_cache", "q_out"))
+def _mla_decode_rope_cache_write_op(
+    positions: torch.Tensor,
+    ql_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    q_out: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    kv_cache_scale: torch.Tensor | None = None,
+    q_scale: torch.Tensor | None = None,
+    is_nope_first: bool = True,
+    backend: str = "auto",
+) -> None:
+    p = check_decode_rope_cache_write(
+        positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, q_out,
+        kv_cache_dtype, kv_cache_scale, q_scale, is_nope_first,
+    )  # fmt: skip
+    name = dispatch.resolve(backend, q_pe.device, decode=True, problem=p)
+    if p.num_tokens == 0:
+        return
+    dispatch.load(name).decode_rope_cache_write(
+        p, positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, q_out,
+        kv_cache_scale, q_scale, is_nope_first,
+    )  # fmt: skip
+
+
+@_mla_decode_rope_cache_write_op.register_fake
+def _(positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, q_out,
+      kv_cache_dtype="auto", kv_cache_scale=None, q_scale=None, is_nope_first=True, backend="auto") -> None:  # fmt: skip
+    check_decode_rope_cache_write(
+        positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, q_out,
+        kv_cache_dtype, kv_cache_scale, q_scale, is_nope_first,
+    )  # fmt: skip
+    dispatch.requested_backend(backend)
+
+
+def mla_rope_cache_write(
+    positions: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    kv_cache_scale: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
+) -> None:
+    """Rotate ``q_pe`` and ``k_pe`` in place and write ``[kv_c | rope(k_pe)]`` into the paged MLA cache.
+
+    A drop-in for vLLM's ``concat_and_cache_mla_rope_fused`` (same argument
+    names and order); one kernel launch on a GPU.
+
+    Args:
+        positions: ``[>=T]`` int32/int64 position of each token. Out-of-range
+            positions are clamped to ``[0, max_position)``, never read out of bounds.
+        q_pe: ``[T, H, R]`` fp16/bf16/fp32, any strides. **Rotated in place** for
+            every token (padding tokens too, so their rows stay finite).
+        k_pe: ``[T, R]`` or ``[T, 1, R]``, q_pe's dtype, any strides. **Rotated in place.**
+        kv_c: ``[T, L]`` or ``[T, 1, L]`` latent (``kv_c_normed``), q_pe's dtype. Read only.
+        cos_sin_cache: ``[max_position, R]``, each row ``[cos (R/2) | sin (R/2)]``,
+            float32 or q_pe's dtype.
+        is_neox: False rotates interleaved pairs ``(x[2i], x[2i+1])`` (GPT-J style,
+            DeepSeek); True rotates ``(x[i], x[i + R/2])``.
+        slot_mapping: ``[>=T]`` int32/int64 cache slot of each token,
+            ``block * block_size + offset``; entries < 0 are padding and write nothing.
+        kv_cache: ``[num_blocks, block_size, L + R]``, any strides. **Written** at
+            the row of each non-negative slot, nowhere else. bf16/fp16/fp32 store
+            the values cast; fp8 (typed, or uint8 storage named by
+            ``kv_cache_dtype``) stores ``saturate(x / kv_cache_scale)``.
+        kv_cache_dtype: ``"auto"`` (the tensor's dtype), ``"fp8"``/``"fp8_e4m3"``
+            (the platform's e4m3: e4m3fnuz on MI300-class GPUs, e4m3fn elsewhere),
+            ``"fp8_e5m2"``, or a float name matching the tensor.
+        kv_cache_scale: float32 one-element tensor, fp8 caches only; None means 1.0.
+        backend: ``"torch"``, ``"triton"``, ``"aiter"`` or None/``"auto"``
+            (``VLLM_MLA_FUSION_BACKEND``, else chosen by device).
+
+    Rotation is computed in float32 and rounded once to each output's dtype.
+    Entries of ``positions`` and ``slot_mapping`` past T are ignored.
+    Raises ValueError/TypeError, before anything is written, on malformed input.
+    """
+    torch.ops.mla_fusion.mla_rope_cache_write(
+        positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache,
+        kv_cache_dtype, kv_cache_scale, backend or "auto",
+    )  # fmt: skip
+
+
+def mla_decode_rope_cache_write(
+    positions: torch.Tensor,
+    ql_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    q_out: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    kv_cache_scale: torch.Tensor | None = None,
+    q_scale: torch.Tensor | None = None,
+    *,
+    is_nope_first: bool = True,
+    backend: str | None = None,
+) -> None:
+    """Assemble the MLA decode query and write the KV cache, in one kernel launch.
+
+    ``q_out[t, h] = [ql_nope[t, h] | rope(q_pe[t, h])]`` (``is_nope_first=False``:
+    ``[rope(q_pe[t, h]) | ql_nope[t, h]]``), and the same cache write as
+    :func:`mla_rope_cache_write`. ``q_pe`` and ``k_pe`` are **not** modified.
+
+    Args:
+        ql_nope: ``[T, H, L]`` absorbed query (``q_nope @ W_UK``), any strides.
+        q_out: ``[T, H, L + R]`` **written** for every token, padding tokens
+            included (positions clamped), since attention kernels may read those
+            rows. bf16/fp16/fp32, or fp8 storing ``saturate(x / q_scale)``.
+        q_scale: float32 one-element tensor, fp8 ``q_out`` only; None means 1.0.
+
+    The other arguments are those of :func:`mla_rope_cache_write`.
+    """
+    torch.ops.mla_fusion.mla_decode_rope_cache_write(
+        positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, q_out,
+        kv_cache_dtype, kv_cache_scale, q_scale, is_nope_first, backend or "auto",
+    )  # fmt: skip

@@ -1,0 +1,231 @@
+"""Argument checks shared by every entry point (public functions, custom ops, fakes).
+
+Only shapes, dtypes, devices and Python values are inspected, so a check costs
+no device sync and no allocation and also runs on fake tensors while
+torch.compile traces. Every failure is a ValueError or TypeError naming the
+argument and what was expected, raised before any kernel runs.
+
+``VLLM_MLA_FUSION_DEBUG=1`` adds host-side checks of the index *values*
+(slot range, duplicate slots, position range). They synchronize with the
+device, so they are skipped while a CUDA graph is being captured.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import fp8
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Sizes and element formats of one call, derived from its arguments."""
+
+    num_tokens: int  # T
+    num_heads: int  # H
+    kv_lora_rank: int  # L
+    rope_dim: int  # R
+    cache_dtype: torch.dtype  # element format stored in kv_cache (typed fp8 for uint8 storage)
+    q_out_dtype: torch.dtype | None = None  # decode op only
+
+
+def _require_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _require_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise TypeError(f"{name} must have dtype in ({names}), got {t.dtype}")
+
+
+def _require_ndim(name: str, t: torch.Tensor, ndims: tuple[int, ...], layout: str) -> None:
+    if t.dim() not in ndims:
+        raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
+
+
+def _check_scale(name: str, scale: object, device: torch.device) -> None:
+    if scale is None:
+        return
+    scale = _require_tensor(name, scale)
+    if scale.dtype != torch.float32:
+        raise TypeError(f"{name} must be a float32 tensor, got {scale.dtype}")
+    if scale.numel() != 1:
+        raise ValueError(f"{name} must have exactly one element, got shape {tuple(scale.shape)}")
+    if scale.device != device:
+        raise ValueError(f"{name} is on {scale.device} but the other tensors are on {device}")
+
+
+def _check_common(
+    positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_dtype, kv_cache_scale
+) -> Problem:
+    for name, t in (
+        ("positions", positions),
+        ("q_pe", q_pe),
+        ("k_pe", k_pe),
+        ("kv_c", kv_c),
+        ("cos_sin_cache", cos_sin_cache),
+        ("slot_mapping", slot_mapping),
+        ("kv_cache", kv_cache),
+    ):
+        _require_tensor(name, t)
+    if not isinstance(is_neox, bool):
+        raise TypeError(f"is_neox must be a bool, got {type(is_neox).__name__}")
+
+    _require_dtype("positions", positions, INDEX_DTYPES)
+    _require_dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
+    _require_dtype("q_pe", q_pe, fp8.ACTIVATION_DTYPES)
+    act = q_pe.dtype
+    for name, t in (("k_pe", k_pe), ("kv_c", kv_c)):
+        if t.dtype != act:
+            raise TypeError(f"{name} dtype {t.dtype} must match q_pe dtype {act}")
+    if cos_sin_cache.dtype not in (torch.float32, act):
+        raise TypeError(f"cos_sin_cache must be float32 or the activation dtype {act}, got {cos_sin_cache.dtype}")
+
+    _require_ndim("positions", positions, (1,), "1-D [num_tokens]")
+    _require_ndim("slot_mapping", slot_mapping, (1,), "1-D [num_tokens]")
+    _require_ndim("q_pe", q_pe, (3,), "3-D [num_tokens, num_heads, rope_dim]")
+    _require_ndim("k_pe", k_pe, (2, 3), "[num_tokens, rope_dim] or [num_tokens, 1, rope_dim]")
+    _require_ndim("kv_c", kv_c, (2, 3), "[num_tokens, kv_lora_rank] or [num_tokens, 1, kv_lora_rank]")
+    _require_ndim("cos_sin_cache", cos_sin_cache, (2,), "2-D [max_position, rope_dim]")
+    _require_ndim("kv_cache", kv_cache, (3,), "3-D [num_blocks, block_size, kv_lora_rank + rope_dim]")
+
+    T, H, R = q_pe.shape
+    if k_pe.dim() == 3 and k_pe.shape[1] != 1:
+        raise ValueError(f"k_pe must have a single head ([T, 1, R]), got shape {tuple(k_pe.shape)}")
+    if kv_c.dim() == 3 and kv_c.shape[1] != 1:
+        raise ValueError(f"kv_c must have a single head ([T, 1, L]), got shape {tuple(kv_c.shape)}")
+    L = kv_c.shape[-1]
+    if R < 2 or R % 2:
+        raise ValueError(f"rope_dim (q_pe.shape[-1]) must be a positive even number, got {R}")
+    if H < 1:
+        raise ValueError(f"q_pe must have at least one head, got shape {tuple(q_pe.shape)}")
+    if L < 1:
+        raise ValueError(f"kv_c must have a positive last dimension, got shape {tuple(kv_c.shape)}")
+    if k_pe.shape[0] != T or k_pe.shape[-1] != R:
+        raise ValueError(f"k_pe shape {tuple(k_pe.shape)} does not match q_pe's T={T}, R={R}")
+    if kv_c.shape[0] != T:
+        raise ValueError(f"kv_c has {kv_c.shape[0]} rows but q_pe has T={T}")
+    if positions.shape[0] < T:
+        raise ValueError(f"positions has {positions.shape[0]} entries, fewer than the T={T} tokens of q_pe")
+    if slot_mapping.shape[0] < T:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries, fewer than the T={T} tokens of q_pe")
+    if cos_sin_cache.shape[1] != R:
+        raise ValueError(f"cos_sin_cache last dim must equal rope_dim R={R}, got shape {tuple(cos_sin_cache.shape)}")
+    if cos_sin_cache.shape[0] < 1:
+        raise ValueError("cos_sin_cache must have at least one position row")
+    if kv_cache.shape[2] != L + R:
+        raise ValueError(
+            f"kv_cache last dim must be kv_lora_rank + rope_dim = {L} + {R} = {L + R}, got shape {tuple(kv_cache.shape)}"
+        )
+    if kv_cache.shape[1] < 1:
+        raise ValueError(f"kv_cache block_size must be positive, got shape {tuple(kv_cache.shape)}")
+
+    device = q_pe.device
+    for name, t in (
+        ("positions", positions),
+        ("k_pe", k_pe),
+        ("kv_c", kv_c),
+        ("cos_sin_cache", cos_sin_cache),
+        ("slot_mapping", slot_mapping),
+        ("kv_cache", kv_cache),
+    ):
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but q_pe is on {device}; all tensors must share a device")
+    _check_scale("kv_cache_scale", kv_cache_scale, device)
+    cache_dtype = fp8.cache_store_dtype(kv_cache, kv_cache_dtype)
+    return Problem(T, H, L, R, cache_dtype)
+
+
+def check_rope_cache_write(
+    positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_dtype, kv_cache_scale
+) -> Problem:
+    """Validate the arguments of ``mla_rope_cache_write``; return the call's sizes."""
+    p = _check_common(
+        positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_dtype, kv_cache_scale
+    )
+    _debug_check_indices(p, positions, slot_mapping, cos_sin_cache, kv_cache)
+    return p
+
+
+def check_decode_rope_cache_write(
+    positions,
+    ql_nope,
+    q_pe,
+    k_pe,
+    kv_c,
+    cos_sin_cache,
+    is_neox,
+    slot_mapping,
+    kv_cache,
+    q_out,
+    kv_cache_dtype,
+    kv_cache_scale,
+    q_scale,
+    is_nope_first,
+) -> Problem:
+    """Validate the arguments of ``mla_decode_rope_cache_write``; return the call's sizes."""
+    p = _check_common(
+        positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_dtype, kv_cache_scale
+    )
+    _require_tensor("ql_nope", ql_nope)
+    _require_tensor("q_out", q_out)
+    if not isinstance(is_nope_first, bool):
+        raise TypeError(f"is_nope_first must be a bool, got {type(is_nope_first).__name__}")
+    if ql_nope.dtype != q_pe.dtype:
+        raise TypeError(f"ql_nope dtype {ql_nope.dtype} must match q_pe dtype {q_pe.dtype}")
+    _require_dtype("q_out", q_out, fp8.ACTIVATION_DTYPES + fp8.FP8_DTYPES)
+    _require_ndim("ql_nope", ql_nope, (3,), "3-D [num_tokens, num_heads, kv_lora_rank]")
+    _require_ndim("q_out", q_out, (3,), "3-D [num_tokens, num_heads, kv_lora_rank + rope_dim]")
+    T, H, L, R = p.num_tokens, p.num_heads, p.kv_lora_rank, p.rope_dim
+    if tuple(ql_nope.shape) != (T, H, L):
+        raise ValueError(f"ql_nope must have shape [T, H, L] = {[T, H, L]}, got {tuple(ql_nope.shape)}")
+    if tuple(q_out.shape) != (T, H, L + R):
+        raise ValueError(f"q_out must have shape [T, H, L + R] = {[T, H, L + R]}, got {tuple(q_out.shape)}")
+    for name, t in (("ql_nope", ql_nope), ("q_out", q_out)):
+        if t.device != q_pe.device:
+            raise ValueError(f"{name} is on {t.device} but q_pe is on {q_pe.device}; all tensors must share a device")
+    _check_scale("q_scale", q_scale, q_pe.device)
+    _debug_check_indices(p, positions, slot_mapping, cos_sin_cache, kv_cache)
+    return Problem(T, H, L, R, p.cache_dtype, q_out.dtype)
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("VLLM_MLA_FUSION_DEBUG", "0") not in ("", "0")
+
+
+def _debug_check_indices(p: Problem, positions, slot_mapping, cos_sin_cache, kv_cache) -> None:
+    if not debug_enabled() or p.num_tokens == 0:
+        return
+    if positions.device.type == "meta" or isinstance(positions, torch._subclasses.FakeTensor):
+        return
+    if positions.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    T = p.num_tokens
+    pos = positions[:T]
+    max_pos = cos_sin_cache.shape[0]
+    bad = ((pos < 0) | (pos >= max_pos)).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(
+            f"VLLM_MLA_FUSION_DEBUG: positions[{i}]={int(pos[i])} is outside [0, {max_pos}) "
+            f"(cos_sin_cache rows); without debug mode it would be clamped"
+        )
+    slots = slot_mapping[:T].to(torch.int64)
+    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    bad = (slots >= num_slots).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(
+            f"VLLM_MLA_FUSION_DEBUG: slot_mapping[{i}]={int(slots[i])} is past the cache's {num_slots} slots"
+        )
+    valid = slots[slots >= 0]
+    if valid.numel() != torch.unique(valid).numel():
+        raise ValueError("VLLM_MLA_FUSION_DEBUG: slot_mapping writes the same slot twice in one call")
