@@ -1,0 +1,44 @@
+"""Test-wide set-up: where the Triton kernel runs, and skips for hardware this machine lacks.
+
+Without a GPU the Triton kernel runs in Triton's interpreter. TRITON_INTERPRET
+must be set before any kernel is defined, i.e. before the package's Triton
+backend is first imported, which is why it is set here at collection time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+HAS_GPU = torch.cuda.is_available()
+IS_ROCM = HAS_GPU and torch.version.hip is not None
+
+if not HAS_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Backends the op tests run on this machine's default device.
+OP_BACKENDS = ["torch"] + (["triton"] if importlib.util.find_spec("triton") else [])
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA or ROCm GPU; none is visible to torch")
+    skip_rocm = pytest.mark.skip(reason="needs a ROCm GPU (torch.version.hip) with AITER")
+    skip_vllm = pytest.mark.skip(reason="needs vLLM 0.33.0 installed")
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    for item in items:
+        if "gpu" in item.keywords and not HAS_GPU:
+            item.add_marker(skip_gpu)
+        if "rocm" in item.keywords and not IS_ROCM:
+            item.add_marker(skip_rocm)
+        if "vllm" in item.keywords and not has_vllm:
+            item.add_marker(skip_vllm)
+
+
+@pytest.fixture(autouse=True)
+def _clean_backend_env(monkeypatch):
+    """Tests choose backends explicitly; a developer's shell settings must not leak in."""
+    for name in ("VLLM_MLA_FUSION_BACKEND", "VLLM_MLA_FUSION_DEBUG", "VLLM_ROCM_USE_AITER"):
+        monkeypatch.delenv(name, raising=False)

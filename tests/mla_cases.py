@@ -1,0 +1,149 @@
+"""Random inputs shaped the way vLLM hands them over, for every test that calls the ops.
+
+Fresh random data per case (never zeros), caches filled with random canary
+bytes, strided views into larger parents, padding slots (-1) at random places,
+index tensors longer than T whose extra entries point at real rows (they must
+be ignored).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .mla_reference import Case
+
+
+def _cache_tensor(gen, num_blocks, block_size, width, cache_dtype, block_pad):
+    """A canary-filled cache ``[num_blocks, block_size, width]`` whose block stride may be padded."""
+    storage = torch.uint8 if cache_dtype == torch.uint8 else cache_dtype
+    itemsize = storage.itemsize
+    per_block = block_size * width + block_pad
+    raw = torch.randint(0, 256, (num_blocks * per_block * itemsize,), dtype=torch.uint8, generator=gen)
+    if storage in (torch.float32, torch.float16, torch.bfloat16):
+        # Random finite values (random bytes could be NaN, which is fine for byte
+        # checks but makes failure messages unreadable).
+        raw = torch.randn(num_blocks * per_block, generator=gen).to(storage).view(torch.uint8)
+    parent = raw.view(storage).view(num_blocks, per_block)
+    cache = parent.as_strided((num_blocks, block_size, width), (per_block, width, 1))
+    return parent, cache
+
+
+def make_case(
+    *,
+    T: int,
+    H: int,
+    L: int = 64,
+    R: int = 16,
+    block_size: int = 16,
+    cache_dtype: torch.dtype = torch.bfloat16,
+    kv_cache_dtype: str = "auto",
+    act_dtype: torch.dtype = torch.bfloat16,
+    cs_dtype: torch.dtype = torch.float32,
+    is_neox: bool = False,
+    index_dtype: torch.dtype = torch.int64,
+    strided: bool = True,
+    k_pe_3d: bool = False,
+    pad_every: int = 3,
+    scale: float | None = None,
+    block_pad: int = 0,
+    max_pos: int = 97,
+    extra_index: int = 3,
+    positions: str = "random",
+    decode: bool = False,
+    q_out_dtype: torch.dtype | None = None,
+    q_scale: float | None = None,
+    is_nope_first: bool = True,
+    spare_blocks: int = 2,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> Case:
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, dtype=act_dtype):
+        return (torch.randn(*shape, generator=gen) * 2).to(dtype)
+
+    parents = {}
+    if strided:
+        # vLLM: q_pe = q[..., qk_nope_head_dim:] of [T, H, 128 + R]; k_pe and kv_c are
+        # slices of the [T, L + R] kv_a output (plus q_c in front when fused).
+        q_parent = randn(T, H, 24 + R)
+        q_pe = q_parent[..., 24:]
+        kv_parent = randn(T, 8 + L + R + 8)
+        k_pe = kv_parent[:, 8 + L : 8 + L + R]
+        kv_c = kv_parent[:, 8 : 8 + L]
+        parents = {"q_pe": q_parent, "k_pe": kv_parent}
+    else:
+        q_pe, k_pe, kv_c = randn(T, H, R), randn(T, R), randn(T, L)
+    if k_pe_3d:
+        k_pe = k_pe.unsqueeze(1)
+
+    # Rows of [cos | sin] with realistic magnitudes (|cos|, |sin| <= 1, some mscale).
+    angles = torch.rand(max_pos, R // 2, generator=gen) * 6.3
+    mscale = 1.0 + torch.rand((), generator=gen).item() * 0.3
+    cos_sin_cache = (torch.cat((angles.cos(), angles.sin()), dim=-1) * mscale).to(cs_dtype)
+
+    n_idx = T + extra_index
+    pos = torch.randint(0, max_pos, (n_idx,), generator=gen)
+    if positions == "edges" and T:
+        pos[0] = 0
+        pos[T - 1] = max_pos - 1
+    elif positions == "out_of_range" and T:
+        pos[: T : 2] = torch.randint(-2 * max_pos, -1, ((T + 1) // 2,), generator=gen)
+        pos[1:T:2] = torch.randint(max_pos, 3 * max_pos, (T // 2,), generator=gen)
+
+    num_blocks = max(1, -(-n_idx // block_size) + spare_blocks)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:n_idx]
+    if pad_every and T:
+        start = int(torch.randint(0, pad_every, (), generator=gen))
+        slots[start:T:pad_every] = -1
+    parent_cache, kv_cache = _cache_tensor(gen, num_blocks, block_size, L + R, cache_dtype, block_pad)
+    if block_pad:
+        parents["kv_cache"] = parent_cache
+
+    case = Case(
+        positions=pos.to(index_dtype),
+        q_pe=q_pe,
+        k_pe=k_pe,
+        kv_c=kv_c,
+        cos_sin_cache=cos_sin_cache,
+        is_neox=is_neox,
+        slot_mapping=slots.to(index_dtype),
+        kv_cache=kv_cache,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_scale=None if scale is None else torch.tensor([scale], dtype=torch.float32),
+        parents=parents,
+    )
+    if decode:
+        # ql_nope as a strided view: heads of a wider buffer, as a bmm output sliced per head would be.
+        nope_parent = randn(T, H, L + 16)
+        case.ql_nope = nope_parent[..., 16:] if strided else randn(T, H, L)
+        q_out_dtype = q_out_dtype or act_dtype
+        raw = torch.randint(0, 256, (T * H * (L + R) * q_out_dtype.itemsize,), dtype=torch.uint8, generator=gen)
+        case.q_out = raw.view(q_out_dtype).view(T, H, L + R)
+        case.q_scale = None if q_scale is None else torch.tensor([q_scale], dtype=torch.float32)
+        case.is_nope_first = is_nope_first
+    return to_device(case, device)
+
+
+def to_device(case: Case, device) -> Case:
+    device = torch.device(device)
+    if device.type == "cpu":
+        case.snapshot()
+        return case
+    moved = {}
+    for name, parent in case.parents.items():
+        moved[name] = parent.to(device)
+    for name in ("positions", "kv_c", "cos_sin_cache", "slot_mapping", "kv_cache_scale", "ql_nope", "q_out",
+                 "q_scale", "q_pe", "k_pe", "kv_cache"):  # fmt: skip
+        t = getattr(case, name)
+        if t is None:
+            continue
+        if name in moved:
+            setattr(case, name, moved[name].as_strided(t.shape, t.stride(), t.storage_offset()))
+        elif name == "kv_c" and "k_pe" in moved:
+            setattr(case, name, moved["k_pe"].as_strided(t.shape, t.stride(), t.storage_offset()))
+        else:
+            setattr(case, name, t.to(device))
+    case.parents = moved
+    case.snapshot()
+    return case

@@ -1,0 +1,114 @@
+"""torch.library registration: opcheck, torch.compile(fullgraph=True) without graph breaks, backend dispatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import vllm_mla_fusion as mla
+from vllm_mla_fusion import dispatch
+
+from .conftest import HAS_GPU, OP_BACKENDS
+from .mla_cases import make_case
+from .mla_reference import check_decode_rope_cache_write, check_rope_cache_write
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@pytest.mark.parametrize("cache", [(torch.bfloat16, "auto"), (torch.uint8, "fp8")])
+def test_opcheck_rope_cache_write(backend, cache):
+    case = make_case(T=5, H=2, cache_dtype=cache[0], kv_cache_dtype=cache[1], scale=0.5, seed=1)
+    opcheck(torch.ops.mla_fusion.mla_rope_cache_write, (*case.rope_args(), backend))
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+def test_opcheck_decode_rope_cache_write(backend):
+    # A bf16 q_out: opcheck's own comparison of outputs has no fp8 kernels on the CPU
+    # (fp8 q_out is covered against the reference in test_ops.py).
+    case = make_case(T=5, H=2, decode=True, cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.5, seed=2)
+    opcheck(torch.ops.mla_fusion.mla_decode_rope_cache_write, (*case.decode_args(), True, backend))
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+def test_compile_fullgraph_like_vllm(backend):
+    """The shape of vLLM's MLA forward: q_pe and k_pe are slices of larger activations,
+    mutated in place, then read again by later ops in the same graph."""
+    torch._dynamo.reset()
+    T, H, L, R, nope = 6, 2, 32, 16, 24
+    case = make_case(T=T, H=H, L=L, R=R, strided=False, seed=3)
+    q = torch.randn(T, H, nope + R, dtype=torch.bfloat16)
+    kv_a = torch.randn(T, L + R, dtype=torch.bfloat16)
+
+    def step(q, kv_a, positions, cos_sin_cache, slot_mapping, kv_cache):
+        kv_c, k_pe = kv_a.split([L, R], dim=-1)
+        kv_c = kv_c * 1.0  # stands for the layernorm: a fresh contiguous tensor
+        mla.mla_rope_cache_write(positions, q[..., nope:], k_pe, kv_c, cos_sin_cache, False, slot_mapping,
+                                 kv_cache, backend=backend)  # fmt: skip
+        return q.sum(-1), k_pe.float().sum()
+
+    eager_q, eager_kv, eager_cache = q.clone(), kv_a.clone(), case.kv_cache.clone()
+    want = step(eager_q, eager_kv, case.positions, case.cos_sin_cache, case.slot_mapping, eager_cache)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = compiled(q, kv_a, case.positions, case.cos_sin_cache, case.slot_mapping, case.kv_cache)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(q, eager_q) and torch.equal(kv_a, eager_kv)
+    assert torch.equal(case.kv_cache.view(torch.uint8), eager_cache.view(torch.uint8))
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+def test_compile_inductor_decode(backend):
+    torch._dynamo.reset()
+    case = make_case(T=4, H=3, decode=True, seed=4)
+
+    @torch.compile(fullgraph=True)
+    def step(*args):
+        mla.mla_decode_rope_cache_write(*args, backend=backend)
+
+    step(*case.decode_args())
+    check_decode_rope_cache_write(case)
+
+
+def test_auto_dispatch_on_cpu_uses_torch(monkeypatch):
+    assert dispatch.resolve(None, torch.device("cpu"), decode=False) == "torch"
+    monkeypatch.setenv("VLLM_MLA_FUSION_BACKEND", "triton")
+    expected = "triton" if dispatch.triton_interpreting() else None
+    if expected:
+        assert dispatch.resolve(None, torch.device("cpu"), decode=False) == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        dispatch.resolve(None, torch.device("cpu"), decode=False)
+
+
+def test_keyword_overrides_environment(monkeypatch):
+    monkeypatch.setenv("VLLM_MLA_FUSION_BACKEND", "triton")
+    assert dispatch.resolve("torch", torch.device("cpu"), decode=True) == "torch"
+
+
+def test_forced_backend_runs_that_backend(monkeypatch):
+    """VLLM_MLA_FUSION_BACKEND really selects the implementation (no silent fallback)."""
+    calls = []
+    for name in OP_BACKENDS:
+        module = dispatch.load(name)
+        original = module.rope_cache_write
+        monkeypatch.setattr(module, "rope_cache_write", lambda *a, _o=original, _n=name: (calls.append(_n), _o(*a)))
+    for name in OP_BACKENDS:
+        monkeypatch.setenv("VLLM_MLA_FUSION_BACKEND", name)
+        case = make_case(T=3, H=2, seed=9)
+        mla.mla_rope_cache_write(*case.rope_args())
+        check_rope_cache_write(case)
+    assert calls == list(OP_BACKENDS)
+
+
+def test_forcing_aiter_without_rocm_is_a_clear_error():
+    case = make_case(T=2, H=1, decode=True)
+    with pytest.raises(RuntimeError, match="aiter"):
+        mla.mla_decode_rope_cache_write(*case.decode_args(), backend="aiter")
+
+
+def test_available_backends_on_cpu():
+    names = mla.available_backends("cpu")
+    assert "torch" in names
+    assert ("triton" in names) == dispatch.triton_interpreting()
+    if not HAS_GPU:
+        assert "aiter" not in mla.available_backends("cpu")

@@ -1,0 +1,370 @@
+"""Triton implementation: both ops in one kernel launch each.
+
+One kernel serves both ops. Its 1-D grid has two kinds of program:
+
+- *cache programs* (the first ``n_cache_programs``), each taking ``BLOCK_T``
+  tokens: load the position and slot, rotate ``k_pe`` (write it back in place
+  for op 1), and store ``[kv_c | rope(k_pe)]`` into the token's cache row
+  unless the slot is negative;
+- *query programs*, each taking ``BLOCK_ROWS`` (token, head) rows: op 1
+  rotates ``q_pe`` in place; op 2 writes ``[ql_nope | rope(q_pe)]`` into
+  ``q_out``.
+
+Splitting the two lets a decode step (few tokens, many heads) spread over many
+programs, while every program keeps a tile of a few thousand elements so large
+prefills stay bandwidth-bound. Everything is computed in float32 and rounded
+once on store. Token, block and slot indices are widened to int64 before they
+multiply a stride, so tensors past 2**31 elements are addressed correctly.
+
+fp8 outputs store ``saturate(x / scale)``. The GPU converts with its native
+instructions; Triton's interpreter (CPU) rounds fp8 wrongly, and NVIDIA GPUs
+have no e4m3fnuz type, so there the kernel encodes the bits itself
+(``_fp8_bits``), round-to-nearest-even like torch's conversion.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import fp8
+from ..validation import Problem
+
+# fp8 encodings for _fp8_bits: (exponent bias, mantissa bits, has negative zero).
+_FP8_FORMATS = {
+    torch.float8_e4m3fn: (7, 3, True),
+    torch.float8_e4m3fnuz: (8, 3, False),
+    torch.float8_e5m2: (15, 2, True),
+}
+_NAN_BITS = {torch.float8_e4m3fn: 0x7F, torch.float8_e4m3fnuz: 0x80, torch.float8_e5m2: 0x7F}
+
+# Output modes (constexpr): how a tile is rounded on store.
+_PLAIN, _FP8_NATIVE, _FP8_BITS = 0, 1, 2
+
+
+@triton.jit
+def _fp8_bits(x, BIAS: tl.constexpr, MAN: tl.constexpr, SIGNED_ZERO: tl.constexpr, NAN_BITS: tl.constexpr):
+    """Bit pattern of ``x`` (float32, already clamped to the format's finite range) in an fp8
+    format with exponent bias ``BIAS`` and ``MAN`` mantissa bits, rounded to nearest even."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    a = bits & 0x7FFFFFFF
+    exp32 = a >> 23
+    # Normal results: re-bias the float32 exponent, then round the mantissa by
+    # adding half an ulp (minus one, plus the kept lsb: ties go to even); a carry
+    # into the exponent is the correct rounding.
+    shift: tl.constexpr = 23 - MAN
+    v = a - ((127 - BIAS) << 23)
+    normal = (v + ((1 << (shift - 1)) - 1) + ((v >> shift) & 1)) >> shift
+    # Subnormal results: shift the full significand right and round to nearest even.
+    sub_shift = tl.minimum(tl.maximum(shift + (1 - (exp32 - 127 + BIAS)), 1), 31)
+    sig = (a & 0x7FFFFF) | 0x800000
+    q = sig >> sub_shift
+    rem = sig & ((1 << sub_shift) - 1)
+    half = 1 << (sub_shift - 1)
+    q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+    code = tl.where(exp32 - 127 + BIAS >= 1, normal, q)
+    code = tl.where(exp32 == 0, 0, code)  # float32 zero/subnormal: far below fp8's range
+    if SIGNED_ZERO:
+        code = code | (sign << 7)
+    else:
+        code = tl.where(code == 0, 0, code | (sign << 7))  # fnuz has no -0 (0x80 is NaN)
+    code = tl.where(x != x, NAN_BITS, code)
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def _round_for_store(x, scale_ptr, out_ptr, MODE: tl.constexpr, HAS_SCALE: tl.constexpr,
+                     FP8_MAX: tl.constexpr, BIAS: tl.constexpr, MAN: tl.constexpr,
+                     SIGNED_ZERO: tl.constexpr, NAN_BITS: tl.constexpr):  # fmt: skip
+    """``x`` (float32) as the element type stored at ``out_ptr``."""
+    if MODE == 0:
+        return x.to(out_ptr.dtype.element_ty)
+    if HAS_SCALE:
+        x = tl.math.div_rn(x, tl.load(scale_ptr))
+    # Saturate finite values and infinities; NaN stays NaN (min/max would drop it).
+    x = tl.where(x != x, x, tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
+    if MODE == 1:
+        return x.to(out_ptr.dtype.element_ty)
+    return _fp8_bits(x, BIAS, MAN, SIGNED_ZERO, NAN_BITS)
+
+
+@triton.jit
+def _rotate(x_ptr, row_off, cos_ptr, sin_ptr, cs_off, mask, IS_NEOX: tl.constexpr,
+            R: tl.constexpr, BLOCK_R2: tl.constexpr, stride_x, stride_cs, ROWS: tl.constexpr):  # fmt: skip
+    """Load rows of x ``[ROWS, R]`` at ``x_ptr + row_off`` and rotate them in float32.
+
+    Returns ``(first, second)`` halves of the result as ``[ROWS, BLOCK_R2]``:
+    for GPT-J, the even and odd elements; for NeoX, the lower and upper halves.
+    """
+    i = tl.arange(0, BLOCK_R2)
+    i_mask = i < R // 2
+    m2 = mask[:, None] & i_mask[None, :]
+    cos = tl.load(cos_ptr + cs_off[:, None] + i[None, :] * stride_cs, mask=m2, other=1.0).to(tl.float32)
+    sin = tl.load(sin_ptr + cs_off[:, None] + i[None, :] * stride_cs, mask=m2, other=0.0).to(tl.float32)
+    if IS_NEOX:
+        x1 = tl.load(x_ptr + row_off[:, None] + i[None, :] * stride_x, mask=m2, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + row_off[:, None] + (i[None, :] + R // 2) * stride_x, mask=m2, other=0.0)
+        x2 = x2.to(tl.float32)
+    else:
+        # One contiguous load of the whole row (vectorizes), then split the
+        # interleaved pairs (x[2i], x[2i+1]) in registers.
+        r = tl.arange(0, 2 * BLOCK_R2)
+        mr = mask[:, None] & (r < R)[None, :]
+        x = tl.load(x_ptr + row_off[:, None] + r[None, :] * stride_x, mask=mr, other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(x, [ROWS, BLOCK_R2, 2]))
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _store_rotated(out_ptr, row_off, y1, y2, mask, IS_NEOX: tl.constexpr, R: tl.constexpr,
+                   BLOCK_R2: tl.constexpr, stride_out, ROWS: tl.constexpr):  # fmt: skip
+    """Store halves from _rotate (already rounded to the output type) as rows ``[ROWS, R]``."""
+    if IS_NEOX:
+        i = tl.arange(0, BLOCK_R2)
+        m2 = mask[:, None] & (i < R // 2)[None, :]
+        tl.store(out_ptr + row_off[:, None] + i[None, :] * stride_out, y1, mask=m2)
+        tl.store(out_ptr + row_off[:, None] + (i[None, :] + R // 2) * stride_out, y2, mask=m2)
+    else:
+        r = tl.arange(0, 2 * BLOCK_R2)
+        mr = mask[:, None] & (r < R)[None, :]
+        y = tl.reshape(tl.join(y1, y2), [ROWS, 2 * BLOCK_R2])
+        tl.store(out_ptr + row_off[:, None] + r[None, :] * stride_out, y, mask=mr)
+
+
+# The token count changes every step: specializing on it (==1, %16) would only add compilations.
+@triton.jit(do_not_specialize=["num_tokens", "n_cache_programs"])
+def _mla_rope_cache_kernel(
+    # pointers
+    pos_ptr,  # [>=T] int32/int64
+    slot_ptr,  # [>=T] int32/int64
+    cos_sin_ptr,  # [max_pos, R], row = [cos | sin]
+    q_pe_ptr,  # [T, H, R]; op 1 rotates it in place
+    k_pe_ptr,  # [T, R]; op 1 rotates it in place
+    kv_c_ptr,  # [T, L]
+    cache_ptr,  # [num_blocks, block_size, L + R] (uint8 when fp8 bits are encoded here)
+    cache_scale_ptr,  # [1] float32
+    ql_nope_ptr,  # [T, H, L] (op 2)
+    q_out_ptr,  # [T, H, L + R] (op 2)
+    q_scale_ptr,  # [1] float32 (op 2)
+    # sizes
+    num_tokens,
+    max_pos,
+    block_size,
+    n_cache_programs,
+    # strides (elements)
+    stride_cs_p, stride_cs_r,
+    stride_q_t, stride_q_h, stride_q_r,
+    stride_k_t, stride_k_r,
+    stride_c_t, stride_c_l,
+    stride_kv_b, stride_kv_s, stride_kv_d,
+    stride_n_t, stride_n_h, stride_n_l,
+    stride_o_t, stride_o_h, stride_o_d,
+    # meta-parameters
+    H: tl.constexpr,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    DECODE: tl.constexpr,  # False: op 1 (rotate q_pe, k_pe in place); True: op 2 (write q_out)
+    NOPE_FIRST: tl.constexpr,
+    CACHE_MODE: tl.constexpr, CACHE_HAS_SCALE: tl.constexpr, CACHE_FP8_MAX: tl.constexpr,
+    CACHE_BIAS: tl.constexpr, CACHE_MAN: tl.constexpr, CACHE_SIGNED_ZERO: tl.constexpr, CACHE_NAN: tl.constexpr,
+    Q_MODE: tl.constexpr, Q_HAS_SCALE: tl.constexpr, Q_FP8_MAX: tl.constexpr,
+    Q_BIAS: tl.constexpr, Q_MAN: tl.constexpr, Q_SIGNED_ZERO: tl.constexpr, Q_NAN: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # tokens per cache program
+    BLOCK_ROWS: tl.constexpr,  # (token, head) rows per query program
+    BLOCK_L: tl.constexpr,  # latent columns per step
+    BLOCK_R2: tl.constexpr,  # next_power_of_2(R // 2)
+):  # fmt: skip
+    pid = tl.program_id(0)
+    cos_ptr = cos_sin_ptr
+    sin_ptr = cos_sin_ptr + (R // 2) * stride_cs_r
+    if pid < n_cache_programs:
+        t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_mask = t < num_tokens
+        pos = tl.load(pos_ptr + t, mask=t_mask, other=0).to(tl.int64)
+        pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)  # clamp: never read past the table
+        k_off = t * stride_k_t
+        k1, k2 = _rotate(k_pe_ptr, k_off, cos_ptr, sin_ptr, pos * stride_cs_p, t_mask, IS_NEOX, R, BLOCK_R2,
+                         stride_k_r, stride_cs_r, BLOCK_T)  # fmt: skip
+        if not DECODE:
+            _store_rotated(k_pe_ptr, k_off, k1.to(k_pe_ptr.dtype.element_ty), k2.to(k_pe_ptr.dtype.element_ty),
+                           t_mask, IS_NEOX, R, BLOCK_R2, stride_k_r, BLOCK_T)  # fmt: skip
+        slot = tl.load(slot_ptr + t, mask=t_mask, other=-1).to(tl.int64)
+        write = t_mask & (slot >= 0)
+        slot = tl.maximum(slot, 0)
+        row = (slot // block_size) * stride_kv_b + (slot % block_size) * stride_kv_s
+        k1 = _round_for_store(k1, cache_scale_ptr, cache_ptr, CACHE_MODE, CACHE_HAS_SCALE, CACHE_FP8_MAX,
+                              CACHE_BIAS, CACHE_MAN, CACHE_SIGNED_ZERO, CACHE_NAN)  # fmt: skip
+        k2 = _round_for_store(k2, cache_scale_ptr, cache_ptr, CACHE_MODE, CACHE_HAS_SCALE, CACHE_FP8_MAX,
+                              CACHE_BIAS, CACHE_MAN, CACHE_SIGNED_ZERO, CACHE_NAN)  # fmt: skip
+        _store_rotated(cache_ptr, row + L * stride_kv_d, k1, k2, write, IS_NEOX, R, BLOCK_R2, stride_kv_d, BLOCK_T)
+        for l0 in tl.static_range(0, L, BLOCK_L):
+            col = l0 + tl.arange(0, BLOCK_L)
+            m = write[:, None] & (col < L)[None, :]
+            c = tl.load(kv_c_ptr + t[:, None] * stride_c_t + col[None, :] * stride_c_l, mask=m, other=0.0)
+            c = _round_for_store(c.to(tl.float32), cache_scale_ptr, cache_ptr, CACHE_MODE, CACHE_HAS_SCALE,
+                                 CACHE_FP8_MAX, CACHE_BIAS, CACHE_MAN, CACHE_SIGNED_ZERO, CACHE_NAN)  # fmt: skip
+            tl.store(cache_ptr + row[:, None] + col[None, :] * stride_kv_d, c, mask=m)
+    else:
+        rows = (pid - n_cache_programs).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        t = rows // H
+        h = rows % H
+        r_mask = t < num_tokens
+        pos = tl.load(pos_ptr + t, mask=r_mask, other=0).to(tl.int64)
+        pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
+        q_off = t * stride_q_t + h * stride_q_h
+        q1, q2 = _rotate(q_pe_ptr, q_off, cos_ptr, sin_ptr, pos * stride_cs_p, r_mask, IS_NEOX, R, BLOCK_R2,
+                         stride_q_r, stride_cs_r, BLOCK_ROWS)  # fmt: skip
+        if not DECODE:
+            _store_rotated(q_pe_ptr, q_off, q1.to(q_pe_ptr.dtype.element_ty), q2.to(q_pe_ptr.dtype.element_ty),
+                           r_mask, IS_NEOX, R, BLOCK_R2, stride_q_r, BLOCK_ROWS)  # fmt: skip
+        else:
+            out = t * stride_o_t + h * stride_o_h
+            rope_col = L if NOPE_FIRST else 0
+            nope_col = 0 if NOPE_FIRST else R
+            q1 = _round_for_store(q1, q_scale_ptr, q_out_ptr, Q_MODE, Q_HAS_SCALE, Q_FP8_MAX,
+                                  Q_BIAS, Q_MAN, Q_SIGNED_ZERO, Q_NAN)  # fmt: skip
+            q2 = _round_for_store(q2, q_scale_ptr, q_out_ptr, Q_MODE, Q_HAS_SCALE, Q_FP8_MAX,
+                                  Q_BIAS, Q_MAN, Q_SIGNED_ZERO, Q_NAN)  # fmt: skip
+            _store_rotated(q_out_ptr, out + rope_col * stride_o_d, q1, q2, r_mask, IS_NEOX, R, BLOCK_R2,
+                           stride_o_d, BLOCK_ROWS)  # fmt: skip
+            n_off = t * stride_n_t + h * stride_n_h
+            for l0 in tl.static_range(0, L, BLOCK_L):
+                col = l0 + tl.arange(0, BLOCK_L)
+                m = r_mask[:, None] & (col < L)[None, :]
+                x = tl.load(ql_nope_ptr + n_off[:, None] + col[None, :] * stride_n_l, mask=m, other=0.0)
+                x = _round_for_store(x.to(tl.float32), q_scale_ptr, q_out_ptr, Q_MODE, Q_HAS_SCALE, Q_FP8_MAX,
+                                     Q_BIAS, Q_MAN, Q_SIGNED_ZERO, Q_NAN)  # fmt: skip
+                tl.store(q_out_ptr + out[:, None] + (nope_col + col[None, :]) * stride_o_d, x, mask=m)
+
+
+# ---------------------------------------------------------------------------
+# Host side: views, launch configuration, launch.
+
+
+@functools.lru_cache(maxsize=None)
+def _native_fp8_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether Triton can convert to ``dtype`` with the device's own instructions here."""
+    if device.type != "cuda":
+        return False  # interpreter: its fp8 rounding is wrong, encode the bits ourselves
+    if torch.version.hip is not None:
+        arch = torch.cuda.get_device_properties(device).gcnArchName
+        # gfx942 has the fnuz types natively, gfx950 the OCP (fn) ones.
+        if dtype == torch.float8_e4m3fnuz:
+            return arch.startswith("gfx94")
+        return not arch.startswith("gfx94") or dtype == torch.float8_e5m2
+    # NVIDIA: e4m3fn and e5m2 convert natively from sm_89 on; no e4m3fnuz.
+    return dtype != torch.float8_e4m3fnuz and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _store_meta(out: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+    """The tensor the kernel stores into and the constexprs describing its rounding."""
+    if not fp8.is_fp8(dtype):
+        return out, dict(MODE=_PLAIN, HAS_SCALE=False, FP8_MAX=0.0, BIAS=0, MAN=0, SIGNED_ZERO=True, NAN=0)
+    bias, man, signed_zero = _FP8_FORMATS[dtype]
+    meta = dict(HAS_SCALE=scale is not None, FP8_MAX=float(torch.finfo(dtype).max), BIAS=bias, MAN=man,
+                SIGNED_ZERO=signed_zero, NAN=_NAN_BITS[dtype])  # fmt: skip
+    if _native_fp8_ok(out.device, dtype):
+        return fp8.typed_view(out, dtype), dict(MODE=_FP8_NATIVE, **meta)
+    return out.view(torch.uint8), dict(MODE=_FP8_BITS, **meta)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _launch_config(p: Problem, decode: bool, device: torch.device) -> dict:
+    """Block sizes and warps by shape class.
+
+    A query row is R elements (op 1) or L + R (op 2); a cache token is L + R.
+    Programs aim at ~4K elements (8 KB of bf16) of traffic each so that large
+    batches run at full bandwidth; small batches shrink the tiles so that the
+    work spreads over more SMs instead of queueing on a few.
+    """
+    BLOCK_L = min(triton.next_power_of_2(p.kv_lora_rank), 512)
+    row_elems = p.kv_lora_rank + p.rope_dim if decode else p.rope_dim
+    rows = p.num_tokens * p.num_heads
+    target = 4096
+    sms = _num_sms(device)
+    block_rows = max(1, min(triton.next_power_of_2(max(1, target // row_elems)), 256))
+    # Shrink while the grid would leave most SMs idle.
+    while block_rows > 1 and triton.cdiv(rows, block_rows) < sms:
+        block_rows //= 2
+    block_t = max(1, min(triton.next_power_of_2(max(1, target // (p.kv_lora_rank + p.rope_dim))), 64))
+    while block_t > 1 and triton.cdiv(p.num_tokens, block_t) < sms:
+        block_t //= 2
+    return dict(BLOCK_T=block_t, BLOCK_ROWS=block_rows, BLOCK_L=BLOCK_L, num_warps=4)
+
+
+def _launch(p: Problem, decode: bool, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping,
+            kv_cache, kv_cache_scale, ql_nope=None, q_out=None, q_scale=None, is_nope_first=True) -> None:  # fmt: skip
+    T, H, L, R = p.num_tokens, p.num_heads, p.kv_lora_rank, p.rope_dim
+    k_pe2 = k_pe.select(1, 0) if k_pe.dim() == 3 else k_pe  # [T, 1, R] -> [T, R], a view
+    kv_c2 = kv_c.select(1, 0) if kv_c.dim() == 3 else kv_c
+    cache, cmeta = _store_meta(kv_cache, p.cache_dtype, kv_cache_scale)
+    if decode:
+        qo, qmeta = _store_meta(q_out, q_out.dtype, q_scale)
+        n_strides = ql_nope.stride()
+        o_strides = qo.stride()
+    else:
+        qo, qmeta = q_pe, _store_meta(q_pe, q_pe.dtype, None)[1]
+        ql_nope = q_pe
+        n_strides = o_strides = (0, 0, 0)
+    cfg = _launch_config(p, decode, q_pe.device)
+    n_cache = triton.cdiv(T, cfg["BLOCK_T"])
+    n_query = triton.cdiv(T * H, cfg["BLOCK_ROWS"])
+    # Scale pointers must be valid tensors even when unused; any float32 tensor does.
+    dummy = cos_sin_cache
+    # The launch must happen on the tensors' device, not the current one (a multi-GPU
+    # process would otherwise launch on the wrong GPU: "an illegal memory access").
+    with torch.cuda.device(q_pe.device) if q_pe.is_cuda else contextlib.nullcontext():
+        _mla_rope_cache_kernel[(n_cache + n_query,)](
+            positions, slot_mapping, cos_sin_cache, q_pe, k_pe2, kv_c2, cache,
+            kv_cache_scale if kv_cache_scale is not None else dummy,
+            ql_nope, qo, q_scale if q_scale is not None else dummy,
+            T, cos_sin_cache.shape[0], kv_cache.shape[1], n_cache,
+            cos_sin_cache.stride(0), cos_sin_cache.stride(1),
+            *q_pe.stride(), *k_pe2.stride(), *kv_c2.stride(), *kv_cache.stride(),
+            *n_strides, *o_strides,
+            H=H, L=L, R=R, IS_NEOX=is_neox, DECODE=decode, NOPE_FIRST=is_nope_first,
+            CACHE_MODE=cmeta["MODE"], CACHE_HAS_SCALE=cmeta["HAS_SCALE"], CACHE_FP8_MAX=cmeta["FP8_MAX"],
+            CACHE_BIAS=cmeta["BIAS"], CACHE_MAN=cmeta["MAN"], CACHE_SIGNED_ZERO=cmeta["SIGNED_ZERO"],
+            CACHE_NAN=cmeta["NAN"],
+            Q_MODE=qmeta["MODE"], Q_HAS_SCALE=qmeta["HAS_SCALE"], Q_FP8_MAX=qmeta["FP8_MAX"],
+            Q_BIAS=qmeta["BIAS"], Q_MAN=qmeta["MAN"], Q_SIGNED_ZERO=qmeta["SIGNED_ZERO"], Q_NAN=qmeta["NAN"],
+            BLOCK_R2=triton.next_power_of_2(R // 2), **cfg,
+        )  # fmt: skip
+
+
+def rope_cache_write(
+    p: Problem, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_scale
+) -> None:
+    _launch(p, False, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_scale)
+
+
+def decode_rope_cache_write(
+    p: Problem,
+    positions,
+    ql_nope,
+    q_pe,
+    k_pe,
+    kv_c,
+    cos_sin_cache,
+    is_neox,
+    slot_mapping,
+    kv_cache,
+    q_out,
+    kv_cache_scale,
+    q_scale,
+    is_nope_first,
+) -> None:
+    _launch(p, True, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_scale,
+            ql_nope=ql_nope, q_out=q_out, q_scale=q_scale, is_nope_first=is_nope_first)  # fmt: skip
