@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Everything this project checks on a GPU, in one call (device time is scarce):
+#   scripts/gpu_check.sh [tests] [sanitizer] [bench] [quickbench]   (default: tests sanitizer bench)
+# Logs and results go under $OUT (default ./gpu_out). Needs torch + triton + pytest; no vLLM.
+# AITER's Triton op joins the cross-check test and the benchmark when third_party_aiter/ is
+# present (scripts/fetch_aiter_triton.sh unpacks it; carry it to the GPU machine).
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+stages=${*:-tests sanitizer bench}
+status=0
+
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+} 2>&1 | tee "$OUT/env.txt"
+
+for stage in $stages; do
+  case $stage in
+  tests)
+    echo "== gpu tests"
+    python3 -m pytest tests -m "gpu" -q -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25 || status=1
+    ;;
+  sanitizer)
+    # Core cases under NVIDIA's memory checker (out-of-bounds and misaligned accesses) and race
+    # checker (Triton stages layout conversions through shared memory). Triton compiles outside
+    # the checked region is impossible here, so keep the selection small.
+    echo "== compute-sanitizer"
+    sel='test_rope_cache_write_dsv3 and (T-1- or T-257-) and H-16 or test_decode_dsv3 and T-8- and H-128 or 2_to_the_31 or cuda_graph'
+    for tool in memcheck racecheck; do
+      compute-sanitizer --tool $tool --error-exitcode 9 --target-processes all \
+        python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "$sel" 2>&1 | tee "$OUT/sanitizer_$tool.log" | tail -n 6 || status=1
+    done
+    ;;
+  bench | quickbench)
+    echo "== benchmark"
+    mkdir -p "$OUT/bench"
+    extra=""; [ "$stage" = quickbench ] && extra="--quick"
+    python3 benchmarks/bench_mla_rope_cache.py --out "$OUT/bench" $extra 2>&1 | tee "$OUT/bench.log" | tail -n 80 || status=1
+    ;;
+  *) echo "unknown stage $stage"; status=2 ;;
+  esac
+done
+exit $status

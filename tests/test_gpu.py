@@ -1,0 +1,155 @@
+"""The op matrix on a real GPU at DeepSeek-V3 sizes, CUDA-graph capture/replay, 64-bit addressing.
+
+Marked ``gpu``: skipped (with the reason) on machines without one. Run on an
+H200 by scripts/gpu_check.sh.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vllm_mla_fusion as mla
+from vllm_mla_fusion.backends import triton as triton_backend
+
+from .mla_cases import make_case
+from .mla_reference import check_decode_rope_cache_write, check_rope_cache_write
+
+pytestmark = pytest.mark.gpu
+
+DSV3 = dict(L=512, R=64)
+CACHES = [
+    (torch.bfloat16, "auto", None),
+    (torch.float16, "auto", None),
+    (torch.float32, "auto", None),
+    (torch.uint8, "fp8", 0.37),
+    (torch.float8_e4m3fn, "auto", 1.0),
+    (torch.uint8, "fp8_e5m2", 2.0),
+    (torch.float8_e4m3fnuz, "auto", 0.2),  # no native type on NVIDIA: the kernel encodes the bits
+]
+
+
+@pytest.mark.parametrize("T", [1, 3, 16, 64, 257, 2048])
+@pytest.mark.parametrize("H", [16, 128])
+@pytest.mark.parametrize("block_size", [1, 64])
+@pytest.mark.parametrize("is_neox", [False, True])
+def test_rope_cache_write_dsv3(T, H, block_size, is_neox):
+    case = make_case(T=T, H=H, block_size=block_size, is_neox=is_neox, device="cuda", seed=T + H, **DSV3)
+    mla.mla_rope_cache_write(*case.rope_args(), backend="triton")
+    check_rope_cache_write(case)
+
+
+@pytest.mark.parametrize("cache_dtype,kv_cache_dtype,scale", CACHES, ids=str)
+@pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float16])
+def test_rope_cache_write_dtypes_dsv3(cache_dtype, kv_cache_dtype, scale, act_dtype):
+    case = make_case(T=100, H=16, cache_dtype=cache_dtype, kv_cache_dtype=kv_cache_dtype, scale=scale,
+                     act_dtype=act_dtype, block_pad=64, index_dtype=torch.int32, positions="out_of_range",
+                     device="cuda", seed=1, **DSV3)  # fmt: skip
+    mla.mla_rope_cache_write(*case.rope_args(), backend="triton")
+    check_rope_cache_write(case)
+
+
+@pytest.mark.parametrize("T,H", [(16384, 16), (4096, 128)])
+def test_rope_cache_write_large_prefill(T, H):
+    case = make_case(T=T, H=H, block_size=64, pad_every=97, device="cuda", seed=2, **DSV3)
+    mla.mla_rope_cache_write(*case.rope_args(), backend="triton")
+    check_rope_cache_write(case)
+
+
+@pytest.mark.parametrize("T", [1, 8, 64, 512])
+@pytest.mark.parametrize("H", [16, 128])
+@pytest.mark.parametrize("q_out", [(torch.bfloat16, None), (torch.float8_e4m3fn, 0.3)], ids=str)
+@pytest.mark.parametrize("is_nope_first", [True, False])
+def test_decode_dsv3(T, H, q_out, is_nope_first):
+    fp8 = q_out[0] == torch.float8_e4m3fn
+    case = make_case(T=T, H=H, decode=True, q_out_dtype=q_out[0], q_scale=q_out[1], is_nope_first=is_nope_first,
+                     cache_dtype=torch.uint8 if fp8 else torch.bfloat16, kv_cache_dtype="fp8" if fp8 else "auto",
+                     scale=0.5 if fp8 else None, block_size=64, device="cuda", seed=T * H, **DSV3)  # fmt: skip
+    mla.mla_decode_rope_cache_write(*case.decode_args(), is_nope_first=is_nope_first, backend="triton")
+    check_decode_rope_cache_write(case)
+
+
+@pytest.mark.parametrize("cache_dtype,kv_cache_dtype,scale", CACHES, ids=str)
+def test_fp8_bit_encoder_matches_native_conversion(monkeypatch, cache_dtype, kv_cache_dtype, scale):
+    """The kernel's own fp8 encoder (used by the interpreter and for e4m3fnuz on NVIDIA) and the
+    GPU's conversion instructions produce the same bytes."""
+    outs = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(triton_backend, "_native_fp8_ok", lambda device, dtype: False)
+        case = make_case(T=300, H=16, decode=True, q_out_dtype=torch.float8_e4m3fn, q_scale=0.1,
+                         cache_dtype=cache_dtype, kv_cache_dtype=kv_cache_dtype, scale=scale, pad_every=0,
+                         device="cuda", seed=3, **DSV3)  # fmt: skip
+        mla.mla_decode_rope_cache_write(*case.decode_args(), backend="triton")
+        outs.append((case.kv_cache.view(torch.uint8).clone(), case.q_out.view(torch.uint8).clone()))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])
+
+
+def test_torch_backend_on_gpu_matches_reference():
+    case = make_case(T=33, H=16, cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.7, device="cuda", **DSV3)
+    mla.mla_rope_cache_write(*case.rope_args(), backend="torch")
+    check_rope_cache_write(case)
+
+
+def test_auto_dispatch_on_gpu_is_triton(monkeypatch):
+    calls = []
+    original = triton_backend.rope_cache_write
+    monkeypatch.setattr(triton_backend, "rope_cache_write", lambda *a: (calls.append(1), original(*a)))
+    case = make_case(T=4, H=16, device="cuda", **DSV3)
+    mla.mla_rope_cache_write(*case.rope_args())
+    assert calls == [1]
+    check_rope_cache_write(case)
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_cuda_graph_replay_with_changing_inputs(decode):
+    """Capture once, then change positions, slots (incl. -1 padding) and activations in place
+    between replays, as vLLM's padded decode batches do; every replay must match the reference."""
+    T, H = 32, 16
+    base = make_case(T=T, H=H, decode=decode, cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.5,
+                     q_out_dtype=torch.bfloat16, block_size=16, device="cuda", seed=0, **DSV3)  # fmt: skip
+    args = base.decode_args() if decode else base.rope_args()
+    run = (lambda: mla.mla_decode_rope_cache_write(*args, backend="triton")) if decode else (
+        lambda: mla.mla_rope_cache_write(*args, backend="triton"))  # fmt: skip
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for step in range(4):
+        fresh = make_case(T=T, H=H, decode=decode, cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.5,
+                          q_out_dtype=torch.bfloat16, block_size=16, pad_every=step + 2, device="cuda",
+                          seed=100 + step, positions="out_of_range" if step == 3 else "random", **DSV3)  # fmt: skip
+        for name in ("positions", "q_pe", "k_pe", "kv_c", "slot_mapping", "kv_cache", "ql_nope", "q_out"):
+            dst = getattr(base, name)
+            if dst is not None:
+                dst.copy_(getattr(fresh, name))
+        base.kv_cache_scale.copy_(fresh.kv_cache_scale)
+        base.cos_sin_cache.copy_(fresh.cos_sin_cache)
+        base.snapshot()
+        graph.replay()
+        torch.cuda.synchronize()
+        (check_decode_rope_cache_write if decode else check_rope_cache_write)(base)
+
+
+def test_addressing_past_2_to_the_31_elements():
+    """A bf16 cache of more than 2**31 elements, written near its end: indices must be 64-bit."""
+    L, R, bs = 512, 64, 64
+    num_blocks = (2**31 // (bs * (L + R))) + 8  # ~2.15e9 elements, ~4.3 GB
+    kv_cache = torch.empty(num_blocks, bs, L + R, dtype=torch.bfloat16, device="cuda")
+    assert kv_cache.numel() > 2**31
+    T, H = 8, 16
+    case = make_case(T=T, H=H, L=L, R=R, block_size=bs, pad_every=0, device="cuda", seed=5)
+    last = num_blocks * bs - 1
+    slots = torch.tensor([last - 3 * i for i in range(T)], device="cuda")
+    tail = kv_cache[-2:]
+    tail.fill_(7.0)
+    kv_cache[:1].fill_(3.0)
+    mla.mla_rope_cache_write(case.positions, case.q_pe, case.k_pe, case.kv_c, case.cos_sin_cache, False, slots,
+                             kv_cache, backend="triton")  # fmt: skip
+    flat = kv_cache.view(-1, L + R)
+    rows = flat[slots]
+    torch.testing.assert_close(rows[:, :L], case.kv_c.to(torch.bfloat16), rtol=0, atol=0)
+    # Rows between the written ones still hold the canary, and the start was not hit by a wrapped index.
+    assert (flat[last - 1] == 7.0).all() and (kv_cache[0] == 3.0).all()
