@@ -31,7 +31,7 @@ for stage in $stages; do
     echo "== compute-sanitizer"
     sel='test_rope_cache_write_dsv3 and (T-1- or T-257-) and H-16 or test_decode_dsv3 and T-8- and H-128 or 2_to_the_31 or cuda_graph'
     for tool in memcheck racecheck; do
-      compute-sanitizer --tool $tool --error-exitcode 9 --target-processes all \
+      timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 --target-processes all \
         python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "$sel" 2>&1 | tee "$OUT/sanitizer_$tool.log" | tail -n 6 || status=1
     done
     ;;

@@ -63,9 +63,10 @@ def _fp8_bits(x, BIAS: tl.constexpr, MAN: tl.constexpr, SIGNED_ZERO: tl.constexp
     # Subnormal results: shift the full significand right and round to nearest even.
     sub_shift = tl.minimum(tl.maximum(shift + (1 - (exp32 - 127 + BIAS)), 1), 31)
     sig = (a & 0x7FFFFF) | 0x800000
+    one = tl.full(sig.shape, 1, tl.int32)
     q = sig >> sub_shift
-    rem = sig & ((1 << sub_shift) - 1)
-    half = 1 << (sub_shift - 1)
+    rem = sig & ((one << sub_shift) - 1)
+    half = one << (sub_shift - 1)
     q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
     code = tl.where(exp32 - 127 + BIAS >= 1, normal, q)
     code = tl.where(exp32 == 0, 0, code)  # float32 zero/subnormal: far below fp8's range
@@ -83,14 +84,17 @@ def _round_for_store(x, scale_ptr, out_ptr, MODE: tl.constexpr, HAS_SCALE: tl.co
                      SIGNED_ZERO: tl.constexpr, NAN_BITS: tl.constexpr):  # fmt: skip
     """``x`` (float32) as the element type stored at ``out_ptr``."""
     if MODE == 0:
-        return x.to(out_ptr.dtype.element_ty)
-    if HAS_SCALE:
-        x = tl.math.div_rn(x, tl.load(scale_ptr))
-    # Saturate finite values and infinities; NaN stays NaN (min/max would drop it).
-    x = tl.where(x != x, x, tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
-    if MODE == 1:
-        return x.to(out_ptr.dtype.element_ty)
-    return _fp8_bits(x, BIAS, MAN, SIGNED_ZERO, NAN_BITS)
+        y = x.to(out_ptr.dtype.element_ty)
+    else:
+        if HAS_SCALE:
+            x = tl.math.div_rn(x, tl.load(scale_ptr))
+        # Saturate finite values and infinities; NaN stays NaN (min/max would drop it).
+        x = tl.where(x != x, x, tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
+        if MODE == 1:
+            y = x.to(out_ptr.dtype.element_ty)
+        else:
+            y = _fp8_bits(x, BIAS, MAN, SIGNED_ZERO, NAN_BITS)
+    return y
 
 
 @triton.jit
@@ -181,66 +185,102 @@ def _mla_rope_cache_kernel(
     BLOCK_R2: tl.constexpr,  # next_power_of_2(R // 2)
 ):  # fmt: skip
     pid = tl.program_id(0)
-    cos_ptr = cos_sin_ptr
-    sin_ptr = cos_sin_ptr + (R // 2) * stride_cs_r
+    # Each kind of program lives in its own function so that their locals (tiles of
+    # different shapes) never meet in one scope.
     if pid < n_cache_programs:
-        t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_mask = t < num_tokens
-        pos = tl.load(pos_ptr + t, mask=t_mask, other=0).to(tl.int64)
-        pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)  # clamp: never read past the table
-        k_off = t * stride_k_t
-        k1, k2 = _rotate(k_pe_ptr, k_off, cos_ptr, sin_ptr, pos * stride_cs_p, t_mask, IS_NEOX, R, BLOCK_R2,
-                         stride_k_r, stride_cs_r, BLOCK_T)  # fmt: skip
-        if not DECODE:
-            _store_rotated(k_pe_ptr, k_off, k1.to(k_pe_ptr.dtype.element_ty), k2.to(k_pe_ptr.dtype.element_ty),
-                           t_mask, IS_NEOX, R, BLOCK_R2, stride_k_r, BLOCK_T)  # fmt: skip
-        slot = tl.load(slot_ptr + t, mask=t_mask, other=-1).to(tl.int64)
-        write = t_mask & (slot >= 0)
-        slot = tl.maximum(slot, 0)
-        row = (slot // block_size) * stride_kv_b + (slot % block_size) * stride_kv_s
-        k1 = _round_for_store(k1, cache_scale_ptr, cache_ptr, CACHE_MODE, CACHE_HAS_SCALE, CACHE_FP8_MAX,
-                              CACHE_BIAS, CACHE_MAN, CACHE_SIGNED_ZERO, CACHE_NAN)  # fmt: skip
-        k2 = _round_for_store(k2, cache_scale_ptr, cache_ptr, CACHE_MODE, CACHE_HAS_SCALE, CACHE_FP8_MAX,
-                              CACHE_BIAS, CACHE_MAN, CACHE_SIGNED_ZERO, CACHE_NAN)  # fmt: skip
-        _store_rotated(cache_ptr, row + L * stride_kv_d, k1, k2, write, IS_NEOX, R, BLOCK_R2, stride_kv_d, BLOCK_T)
+        _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr,
+                       num_tokens, max_pos, block_size, stride_cs_p, stride_cs_r, stride_k_t, stride_k_r,
+                       stride_c_t, stride_c_l, stride_kv_b, stride_kv_s, stride_kv_d,
+                       L, R, IS_NEOX, DECODE, CACHE_MODE, CACHE_HAS_SCALE, CACHE_FP8_MAX, CACHE_BIAS, CACHE_MAN,
+                       CACHE_SIGNED_ZERO, CACHE_NAN, BLOCK_T, BLOCK_L, BLOCK_R2)  # fmt: skip
+    else:
+        _query_program(pid - n_cache_programs, pos_ptr, cos_sin_ptr, q_pe_ptr, ql_nope_ptr, q_out_ptr, q_scale_ptr,
+                       num_tokens, max_pos, stride_cs_p, stride_cs_r, stride_q_t, stride_q_h, stride_q_r,
+                       stride_n_t, stride_n_h, stride_n_l, stride_o_t, stride_o_h, stride_o_d,
+                       H, L, R, IS_NEOX, DECODE, NOPE_FIRST, Q_MODE, Q_HAS_SCALE, Q_FP8_MAX, Q_BIAS, Q_MAN,
+                       Q_SIGNED_ZERO, Q_NAN, BLOCK_ROWS, BLOCK_L, BLOCK_R2)  # fmt: skip
+
+
+@triton.jit
+def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr,
+                   num_tokens, max_pos, block_size, stride_cs_p, stride_cs_r, stride_k_t, stride_k_r,
+                   stride_c_t, stride_c_l, stride_kv_b, stride_kv_s, stride_kv_d,
+                   L: tl.constexpr, R: tl.constexpr, IS_NEOX: tl.constexpr, DECODE: tl.constexpr,
+                   CACHE_MODE: tl.constexpr, CACHE_HAS_SCALE: tl.constexpr, CACHE_FP8_MAX: tl.constexpr,
+                   CACHE_BIAS: tl.constexpr, CACHE_MAN: tl.constexpr, CACHE_SIGNED_ZERO: tl.constexpr,
+                   CACHE_NAN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr,
+                   BLOCK_R2: tl.constexpr):  # fmt: skip
+    """BLOCK_T tokens: rotate k_pe (in place for op 1), write [kv_c | rope(k_pe)] unless slot < 0."""
+    t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = t < num_tokens
+    pos = tl.load(pos_ptr + t, mask=t_mask, other=0).to(tl.int64)
+    pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)  # clamp: never read past the table
+    k_off = t * stride_k_t
+    sin_ptr = cos_sin_ptr + (R // 2) * stride_cs_r
+    k1, k2 = _rotate(k_pe_ptr, k_off, cos_sin_ptr, sin_ptr, pos * stride_cs_p, t_mask, IS_NEOX, R, BLOCK_R2,
+                     stride_k_r, stride_cs_r, BLOCK_T)  # fmt: skip
+    if not DECODE:
+        _store_rotated(k_pe_ptr, k_off, k1.to(k_pe_ptr.dtype.element_ty), k2.to(k_pe_ptr.dtype.element_ty),
+                       t_mask, IS_NEOX, R, BLOCK_R2, stride_k_r, BLOCK_T)  # fmt: skip
+    slot = tl.load(slot_ptr + t, mask=t_mask, other=-1).to(tl.int64)
+    write = t_mask & (slot >= 0)
+    slot = tl.maximum(slot, 0)
+    row = (slot // block_size) * stride_kv_b + (slot % block_size) * stride_kv_s
+    k1 = _round_for_store(k1, cache_scale_ptr, cache_ptr, CACHE_MODE, CACHE_HAS_SCALE, CACHE_FP8_MAX,
+                          CACHE_BIAS, CACHE_MAN, CACHE_SIGNED_ZERO, CACHE_NAN)  # fmt: skip
+    k2 = _round_for_store(k2, cache_scale_ptr, cache_ptr, CACHE_MODE, CACHE_HAS_SCALE, CACHE_FP8_MAX,
+                          CACHE_BIAS, CACHE_MAN, CACHE_SIGNED_ZERO, CACHE_NAN)  # fmt: skip
+    _store_rotated(cache_ptr, row + L * stride_kv_d, k1, k2, write, IS_NEOX, R, BLOCK_R2, stride_kv_d, BLOCK_T)
+    for l0 in tl.static_range(0, L, BLOCK_L):
+        col = l0 + tl.arange(0, BLOCK_L)
+        m = write[:, None] & (col < L)[None, :]
+        c = tl.load(kv_c_ptr + t[:, None] * stride_c_t + col[None, :] * stride_c_l, mask=m, other=0.0)
+        c = _round_for_store(c.to(tl.float32), cache_scale_ptr, cache_ptr, CACHE_MODE, CACHE_HAS_SCALE,
+                             CACHE_FP8_MAX, CACHE_BIAS, CACHE_MAN, CACHE_SIGNED_ZERO, CACHE_NAN)  # fmt: skip
+        tl.store(cache_ptr + row[:, None] + col[None, :] * stride_kv_d, c, mask=m)
+
+
+@triton.jit
+def _query_program(pid, pos_ptr, cos_sin_ptr, q_pe_ptr, ql_nope_ptr, q_out_ptr, q_scale_ptr,
+                   num_tokens, max_pos, stride_cs_p, stride_cs_r, stride_q_t, stride_q_h, stride_q_r,
+                   stride_n_t, stride_n_h, stride_n_l, stride_o_t, stride_o_h, stride_o_d,
+                   H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, IS_NEOX: tl.constexpr,
+                   DECODE: tl.constexpr, NOPE_FIRST: tl.constexpr, Q_MODE: tl.constexpr,
+                   Q_HAS_SCALE: tl.constexpr, Q_FP8_MAX: tl.constexpr, Q_BIAS: tl.constexpr, Q_MAN: tl.constexpr,
+                   Q_SIGNED_ZERO: tl.constexpr, Q_NAN: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                   BLOCK_L: tl.constexpr, BLOCK_R2: tl.constexpr):  # fmt: skip
+    """BLOCK_ROWS (token, head) rows: op 1 rotates q_pe in place, op 2 writes [ql_nope | rope(q_pe)]."""
+    rows = pid.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    t = rows // H
+    h = rows % H
+    r_mask = t < num_tokens
+    pos = tl.load(pos_ptr + t, mask=r_mask, other=0).to(tl.int64)
+    pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
+    q_off = t * stride_q_t + h * stride_q_h
+    sin_ptr = cos_sin_ptr + (R // 2) * stride_cs_r
+    q1, q2 = _rotate(q_pe_ptr, q_off, cos_sin_ptr, sin_ptr, pos * stride_cs_p, r_mask, IS_NEOX, R, BLOCK_R2,
+                     stride_q_r, stride_cs_r, BLOCK_ROWS)  # fmt: skip
+    if not DECODE:
+        _store_rotated(q_pe_ptr, q_off, q1.to(q_pe_ptr.dtype.element_ty), q2.to(q_pe_ptr.dtype.element_ty),
+                       r_mask, IS_NEOX, R, BLOCK_R2, stride_q_r, BLOCK_ROWS)  # fmt: skip
+    else:
+        out = t * stride_o_t + h * stride_o_h
+        rope_col = L if NOPE_FIRST else 0
+        nope_col = 0 if NOPE_FIRST else R
+        q1 = _round_for_store(q1, q_scale_ptr, q_out_ptr, Q_MODE, Q_HAS_SCALE, Q_FP8_MAX,
+                              Q_BIAS, Q_MAN, Q_SIGNED_ZERO, Q_NAN)  # fmt: skip
+        q2 = _round_for_store(q2, q_scale_ptr, q_out_ptr, Q_MODE, Q_HAS_SCALE, Q_FP8_MAX,
+                              Q_BIAS, Q_MAN, Q_SIGNED_ZERO, Q_NAN)  # fmt: skip
+        _store_rotated(q_out_ptr, out + rope_col * stride_o_d, q1, q2, r_mask, IS_NEOX, R, BLOCK_R2,
+                       stride_o_d, BLOCK_ROWS)  # fmt: skip
+        n_off = t * stride_n_t + h * stride_n_h
         for l0 in tl.static_range(0, L, BLOCK_L):
             col = l0 + tl.arange(0, BLOCK_L)
-            m = write[:, None] & (col < L)[None, :]
-            c = tl.load(kv_c_ptr + t[:, None] * stride_c_t + col[None, :] * stride_c_l, mask=m, other=0.0)
-            c = _round_for_store(c.to(tl.float32), cache_scale_ptr, cache_ptr, CACHE_MODE, CACHE_HAS_SCALE,
-                                 CACHE_FP8_MAX, CACHE_BIAS, CACHE_MAN, CACHE_SIGNED_ZERO, CACHE_NAN)  # fmt: skip
-            tl.store(cache_ptr + row[:, None] + col[None, :] * stride_kv_d, c, mask=m)
-    else:
-        rows = (pid - n_cache_programs).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        t = rows // H
-        h = rows % H
-        r_mask = t < num_tokens
-        pos = tl.load(pos_ptr + t, mask=r_mask, other=0).to(tl.int64)
-        pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
-        q_off = t * stride_q_t + h * stride_q_h
-        q1, q2 = _rotate(q_pe_ptr, q_off, cos_ptr, sin_ptr, pos * stride_cs_p, r_mask, IS_NEOX, R, BLOCK_R2,
-                         stride_q_r, stride_cs_r, BLOCK_ROWS)  # fmt: skip
-        if not DECODE:
-            _store_rotated(q_pe_ptr, q_off, q1.to(q_pe_ptr.dtype.element_ty), q2.to(q_pe_ptr.dtype.element_ty),
-                           r_mask, IS_NEOX, R, BLOCK_R2, stride_q_r, BLOCK_ROWS)  # fmt: skip
-        else:
-            out = t * stride_o_t + h * stride_o_h
-            rope_col = L if NOPE_FIRST else 0
-            nope_col = 0 if NOPE_FIRST else R
-            q1 = _round_for_store(q1, q_scale_ptr, q_out_ptr, Q_MODE, Q_HAS_SCALE, Q_FP8_MAX,
-                                  Q_BIAS, Q_MAN, Q_SIGNED_ZERO, Q_NAN)  # fmt: skip
-            q2 = _round_for_store(q2, q_scale_ptr, q_out_ptr, Q_MODE, Q_HAS_SCALE, Q_FP8_MAX,
-                                  Q_BIAS, Q_MAN, Q_SIGNED_ZERO, Q_NAN)  # fmt: skip
-            _store_rotated(q_out_ptr, out + rope_col * stride_o_d, q1, q2, r_mask, IS_NEOX, R, BLOCK_R2,
-                           stride_o_d, BLOCK_ROWS)  # fmt: skip
-            n_off = t * stride_n_t + h * stride_n_h
-            for l0 in tl.static_range(0, L, BLOCK_L):
-                col = l0 + tl.arange(0, BLOCK_L)
-                m = r_mask[:, None] & (col < L)[None, :]
-                x = tl.load(ql_nope_ptr + n_off[:, None] + col[None, :] * stride_n_l, mask=m, other=0.0)
-                x = _round_for_store(x.to(tl.float32), q_scale_ptr, q_out_ptr, Q_MODE, Q_HAS_SCALE, Q_FP8_MAX,
-                                     Q_BIAS, Q_MAN, Q_SIGNED_ZERO, Q_NAN)  # fmt: skip
-                tl.store(q_out_ptr + out[:, None] + (nope_col + col[None, :]) * stride_o_d, x, mask=m)
+            m = r_mask[:, None] & (col < L)[None, :]
+            x = tl.load(ql_nope_ptr + n_off[:, None] + col[None, :] * stride_n_l, mask=m, other=0.0)
+            x = _round_for_store(x.to(tl.float32), q_scale_ptr, q_out_ptr, Q_MODE, Q_HAS_SCALE, Q_FP8_MAX,
+                                 Q_BIAS, Q_MAN, Q_SIGNED_ZERO, Q_NAN)  # fmt: skip
+            tl.store(q_out_ptr + out[:, None] + (nope_col + col[None, :]) * stride_o_d, x, mask=m)
 
 
 # ---------------------------------------------------------------------------
