@@ -153,3 +153,26 @@ def test_addressing_past_2_to_the_31_elements():
     torch.testing.assert_close(rows[:, :L], case.kv_c.to(torch.bfloat16), rtol=0, atol=0)
     # Rows between the written ones still hold the canary, and the start was not hit by a wrapped index.
     assert (flat[last - 1] == 7.0).all() and (kv_cache[0] == 3.0).all()
+
+
+SANITIZE_CASES = [
+    dict(T=1, H=16, block_size=1),
+    dict(T=257, H=16, block_size=64, block_pad=64, positions="out_of_range"),
+    dict(T=33, H=128, cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.4, k_pe_3d=True),
+    dict(T=20, H=16, cache_dtype=torch.float8_e4m3fnuz, scale=0.2, is_neox=True, index_dtype=torch.int32),
+    dict(T=64, H=16, pad_every=1),
+]
+
+
+@pytest.mark.parametrize("layout", SANITIZE_CASES, ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
+def test_sanitize_core_cases(layout):
+    """A compact set covering both ops, every store mode and the padding/clamping paths;
+    scripts/gpu_check.sh runs these under compute-sanitizer (memcheck and racecheck)."""
+    case = make_case(device="cuda", seed=21, **DSV3, **layout)
+    mla.mla_rope_cache_write(*case.rope_args(), backend="triton")
+    check_rope_cache_write(case)
+    fp8 = layout.get("cache_dtype") in (torch.uint8, torch.float8_e4m3fnuz)
+    case = make_case(device="cuda", seed=22, decode=True, q_out_dtype=torch.float8_e4m3fn if fp8 else None,
+                     q_scale=0.3 if fp8 else None, **DSV3, **layout)  # fmt: skip
+    mla.mla_decode_rope_cache_write(*case.decode_args(), backend="triton")
+    check_decode_rope_cache_write(case)
