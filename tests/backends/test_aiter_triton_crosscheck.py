@@ -1,7 +1,7 @@
 """AITER's Triton MLA op against this project's op 2 (Triton backend), on the same inputs.
 
 AITER's ``fused_qk_rope_cat_and_cache_mla`` is loaded only from the folder
-that ``scripts/fetch_aiter_triton.sh`` fills (``benchmarks/peers/aiter_triton.py``);
+that ``scripts/fetch_aiter_triton.sh`` fills (``benchmarks/aiter_triton_peer.py``);
 without it, or without a GPU, these tests skip and say which is missing.
 They prove that the two agree where their semantics overlap:
 
@@ -41,7 +41,7 @@ MAX_POS = 4096
 
 def _load_peer():
     # Loaded by path: benchmarks/ is not an installed package.
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "peers" / "aiter_triton.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "aiter_triton_peer.py"
     spec = importlib.util.spec_from_file_location("_mla_fusion_peer_aiter_triton", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while it executes
