@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 import triton
@@ -79,7 +80,19 @@ def _fp8_bits(x, BIAS: tl.constexpr, MAN: tl.constexpr, SIGNED_ZERO: tl.constexp
 
 
 @triton.jit
-def _round_for_store(x, scale_ptr, out_ptr, MODE: tl.constexpr, HAS_SCALE: tl.constexpr,
+def _load_scale(scale_ptr, HAS_SCALE: tl.constexpr):
+    """(scale, 1/scale) of an fp8 output, loaded once per program; (1, 1) without a scale."""
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr)
+        inv = tl.math.div_rn(1.0, scale)
+    else:
+        scale = 1.0
+        inv = 1.0
+    return scale, inv
+
+
+@triton.jit
+def _round_for_store(x, scale, inv_scale, out_ptr, MODE: tl.constexpr, HAS_SCALE: tl.constexpr,
                      FP8_MAX: tl.constexpr, BIAS: tl.constexpr, MAN: tl.constexpr,
                      SIGNED_ZERO: tl.constexpr, NAN_BITS: tl.constexpr):  # fmt: skip
     """``x`` (float32) as the element type stored at ``out_ptr``."""
@@ -87,7 +100,14 @@ def _round_for_store(x, scale_ptr, out_ptr, MODE: tl.constexpr, HAS_SCALE: tl.co
         y = x.to(out_ptr.dtype.element_ty)
     else:
         if HAS_SCALE:
-            x = tl.math.div_rn(x, tl.load(scale_ptr))
+            # x / scale, correctly rounded, without a division per element (a full-precision
+            # division is ~10 instructions and made the fp8 paths compute-bound): the product
+            # with the reciprocal is within an ulp, and one residual step (exact through the
+            # fma) rounds it correctly. Quotients far outside the fp8 range skip the step,
+            # which would turn an overflow into NaN; they saturate below anyway.
+            q = x * inv_scale
+            r = tl.fma(-q, scale, x)
+            x = tl.where(tl.abs(q) < 2 * FP8_MAX, tl.fma(r, inv_scale, q), q)
         # Saturate finite values and infinities; NaN stays NaN (min/max would drop it).
         x = tl.where(x != x, x, tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
         if MODE == 1:
@@ -183,7 +203,13 @@ def _mla_rope_cache_kernel(
     BLOCK_ROWS: tl.constexpr,  # (token, head) rows per query program
     BLOCK_L: tl.constexpr,  # latent columns per step
     BLOCK_R2: tl.constexpr,  # next_power_of_2(R // 2)
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (sm_90+)
 ):  # fmt: skip
+    if USE_PDL:
+        # Launched early, overlapping the previous kernel's tail: wait for its writes
+        # (our inputs) before touching memory, then let the next kernel get scheduled.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     # Each kind of program lives in its own function so that their locals (tiles of
     # different shapes) never meet in one scope.
@@ -210,10 +236,20 @@ def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cach
                    CACHE_BIAS: tl.constexpr, CACHE_MAN: tl.constexpr, CACHE_SIGNED_ZERO: tl.constexpr,
                    CACHE_NAN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr,
                    BLOCK_R2: tl.constexpr):  # fmt: skip
-    """BLOCK_T tokens: rotate k_pe (in place for op 1), write [kv_c | rope(k_pe)] unless slot < 0."""
+    """BLOCK_T tokens: rotate k_pe (in place for op 1), write [kv_c | rope(k_pe)] unless slot < 0.
+
+    Every load that does not depend on the position is issued before any store: the
+    compiler may not move a load above a store that could alias it, and on small batches
+    each serialized round trip to memory is a visible part of the kernel's time.
+    """
     t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = t < num_tokens
     pos = tl.load(pos_ptr + t, mask=t_mask, other=0).to(tl.int64)
+    slot = tl.load(slot_ptr + t, mask=t_mask, other=-1).to(tl.int64)
+    col = tl.arange(0, BLOCK_L)
+    c_mask = t_mask[:, None] & (col < L)[None, :]
+    c = tl.load(kv_c_ptr + t[:, None] * stride_c_t + col[None, :] * stride_c_l, mask=c_mask, other=0.0)
+    scale, inv_scale = _load_scale(cache_scale_ptr, CACHE_HAS_SCALE)
     pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)  # clamp: never read past the table
     k_off = t * stride_k_t
     sin_ptr = cos_sin_ptr + (R // 2) * stride_cs_r
@@ -222,20 +258,22 @@ def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cach
     if not DECODE:
         _store_rotated(k_pe_ptr, k_off, k1.to(k_pe_ptr.dtype.element_ty), k2.to(k_pe_ptr.dtype.element_ty),
                        t_mask, IS_NEOX, R, BLOCK_R2, stride_k_r, BLOCK_T)  # fmt: skip
-    slot = tl.load(slot_ptr + t, mask=t_mask, other=-1).to(tl.int64)
     write = t_mask & (slot >= 0)
     slot = tl.maximum(slot, 0)
     row = (slot // block_size) * stride_kv_b + (slot % block_size) * stride_kv_s
-    k1 = _round_for_store(k1, cache_scale_ptr, cache_ptr, CACHE_MODE, CACHE_HAS_SCALE, CACHE_FP8_MAX,
+    k1 = _round_for_store(k1, scale, inv_scale, cache_ptr, CACHE_MODE, CACHE_HAS_SCALE, CACHE_FP8_MAX,
                           CACHE_BIAS, CACHE_MAN, CACHE_SIGNED_ZERO, CACHE_NAN)  # fmt: skip
-    k2 = _round_for_store(k2, cache_scale_ptr, cache_ptr, CACHE_MODE, CACHE_HAS_SCALE, CACHE_FP8_MAX,
+    k2 = _round_for_store(k2, scale, inv_scale, cache_ptr, CACHE_MODE, CACHE_HAS_SCALE, CACHE_FP8_MAX,
                           CACHE_BIAS, CACHE_MAN, CACHE_SIGNED_ZERO, CACHE_NAN)  # fmt: skip
     _store_rotated(cache_ptr, row + L * stride_kv_d, k1, k2, write, IS_NEOX, R, BLOCK_R2, stride_kv_d, BLOCK_T)
-    for l0 in tl.static_range(0, L, BLOCK_L):
+    c = _round_for_store(c.to(tl.float32), scale, inv_scale, cache_ptr, CACHE_MODE, CACHE_HAS_SCALE,
+                         CACHE_FP8_MAX, CACHE_BIAS, CACHE_MAN, CACHE_SIGNED_ZERO, CACHE_NAN)  # fmt: skip
+    tl.store(cache_ptr + row[:, None] + col[None, :] * stride_kv_d, c, mask=write[:, None] & (col < L)[None, :])
+    for l0 in tl.static_range(BLOCK_L, L, BLOCK_L):  # latent widths past BLOCK_L (> 512)
         col = l0 + tl.arange(0, BLOCK_L)
         m = write[:, None] & (col < L)[None, :]
         c = tl.load(kv_c_ptr + t[:, None] * stride_c_t + col[None, :] * stride_c_l, mask=m, other=0.0)
-        c = _round_for_store(c.to(tl.float32), cache_scale_ptr, cache_ptr, CACHE_MODE, CACHE_HAS_SCALE,
+        c = _round_for_store(c.to(tl.float32), scale, inv_scale, cache_ptr, CACHE_MODE, CACHE_HAS_SCALE,
                              CACHE_FP8_MAX, CACHE_BIAS, CACHE_MAN, CACHE_SIGNED_ZERO, CACHE_NAN)  # fmt: skip
         tl.store(cache_ptr + row[:, None] + col[None, :] * stride_kv_d, c, mask=m)
 
@@ -249,12 +287,20 @@ def _query_program(pid, pos_ptr, cos_sin_ptr, q_pe_ptr, ql_nope_ptr, q_out_ptr, 
                    Q_HAS_SCALE: tl.constexpr, Q_FP8_MAX: tl.constexpr, Q_BIAS: tl.constexpr, Q_MAN: tl.constexpr,
                    Q_SIGNED_ZERO: tl.constexpr, Q_NAN: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                    BLOCK_L: tl.constexpr, BLOCK_R2: tl.constexpr):  # fmt: skip
-    """BLOCK_ROWS (token, head) rows: op 1 rotates q_pe in place, op 2 writes [ql_nope | rope(q_pe)]."""
+    """BLOCK_ROWS (token, head) rows: op 1 rotates q_pe in place, op 2 writes [ql_nope | rope(q_pe)].
+
+    As in _cache_program, the position-independent loads (ql_nope) go out first."""
     rows = pid.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     t = rows // H
     h = rows % H
     r_mask = t < num_tokens
     pos = tl.load(pos_ptr + t, mask=r_mask, other=0).to(tl.int64)
+    if DECODE:
+        n_off = t * stride_n_t + h * stride_n_h
+        col = tl.arange(0, BLOCK_L)
+        n_mask = r_mask[:, None] & (col < L)[None, :]
+        nope = tl.load(ql_nope_ptr + n_off[:, None] + col[None, :] * stride_n_l, mask=n_mask, other=0.0)
+        scale, inv_scale = _load_scale(q_scale_ptr, Q_HAS_SCALE)
     pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
     q_off = t * stride_q_t + h * stride_q_h
     sin_ptr = cos_sin_ptr + (R // 2) * stride_cs_r
@@ -267,18 +313,20 @@ def _query_program(pid, pos_ptr, cos_sin_ptr, q_pe_ptr, ql_nope_ptr, q_out_ptr, 
         out = t * stride_o_t + h * stride_o_h
         rope_col = L if NOPE_FIRST else 0
         nope_col = 0 if NOPE_FIRST else R
-        q1 = _round_for_store(q1, q_scale_ptr, q_out_ptr, Q_MODE, Q_HAS_SCALE, Q_FP8_MAX,
+        q1 = _round_for_store(q1, scale, inv_scale, q_out_ptr, Q_MODE, Q_HAS_SCALE, Q_FP8_MAX,
                               Q_BIAS, Q_MAN, Q_SIGNED_ZERO, Q_NAN)  # fmt: skip
-        q2 = _round_for_store(q2, q_scale_ptr, q_out_ptr, Q_MODE, Q_HAS_SCALE, Q_FP8_MAX,
+        q2 = _round_for_store(q2, scale, inv_scale, q_out_ptr, Q_MODE, Q_HAS_SCALE, Q_FP8_MAX,
                               Q_BIAS, Q_MAN, Q_SIGNED_ZERO, Q_NAN)  # fmt: skip
         _store_rotated(q_out_ptr, out + rope_col * stride_o_d, q1, q2, r_mask, IS_NEOX, R, BLOCK_R2,
                        stride_o_d, BLOCK_ROWS)  # fmt: skip
-        n_off = t * stride_n_t + h * stride_n_h
-        for l0 in tl.static_range(0, L, BLOCK_L):
+        nope = _round_for_store(nope.to(tl.float32), scale, inv_scale, q_out_ptr, Q_MODE, Q_HAS_SCALE, Q_FP8_MAX,
+                                Q_BIAS, Q_MAN, Q_SIGNED_ZERO, Q_NAN)  # fmt: skip
+        tl.store(q_out_ptr + out[:, None] + (nope_col + col[None, :]) * stride_o_d, nope, mask=n_mask)
+        for l0 in tl.static_range(BLOCK_L, L, BLOCK_L):  # latent widths past BLOCK_L (> 512)
             col = l0 + tl.arange(0, BLOCK_L)
             m = r_mask[:, None] & (col < L)[None, :]
             x = tl.load(ql_nope_ptr + n_off[:, None] + col[None, :] * stride_n_l, mask=m, other=0.0)
-            x = _round_for_store(x.to(tl.float32), q_scale_ptr, q_out_ptr, Q_MODE, Q_HAS_SCALE, Q_FP8_MAX,
+            x = _round_for_store(x.to(tl.float32), scale, inv_scale, q_out_ptr, Q_MODE, Q_HAS_SCALE, Q_FP8_MAX,
                                  Q_BIAS, Q_MAN, Q_SIGNED_ZERO, Q_NAN)  # fmt: skip
             tl.store(q_out_ptr + out[:, None] + (nope_col + col[None, :]) * stride_o_d, x, mask=m)
 
@@ -321,6 +369,20 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _pdl_ok(device: torch.device) -> bool:
+    """Programmatic dependent launch: NVIDIA sm_90+, not disabled by VLLM_MLA_FUSION_PDL=0."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    if os.environ.get("VLLM_MLA_FUSION_PDL", "1").strip() in ("0", "false", "off"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+# Set by benchmarks/tune_launch.py to time other launch configurations; None in normal use.
+LAUNCH_CONFIG_OVERRIDE: dict | None = None
+
+
 def _launch_config(p: Problem, decode: bool, device: torch.device) -> dict:
     """Block sizes and warps by shape class.
 
@@ -329,19 +391,23 @@ def _launch_config(p: Problem, decode: bool, device: torch.device) -> dict:
     batches run at full bandwidth; small batches shrink the tiles so that the
     work spreads over more SMs instead of queueing on a few.
     """
+    if LAUNCH_CONFIG_OVERRIDE is not None:
+        return dict(LAUNCH_CONFIG_OVERRIDE)
     BLOCK_L = min(triton.next_power_of_2(p.kv_lora_rank), 512)
     row_elems = p.kv_lora_rank + p.rope_dim if decode else p.rope_dim
     rows = p.num_tokens * p.num_heads
-    target = 4096
     sms = _num_sms(device)
+    # Measured on an H200 (benchmarks/tune_launch.py, docs/performance.md): ~4K-element
+    # tiles, except op 1 with few heads, where 2K-element tiles (32 rows of 64) won by ~12%.
+    target = 4096 if decode or p.num_heads * p.rope_dim >= 4096 else 2048
     block_rows = max(1, min(triton.next_power_of_2(max(1, target // row_elems)), 256))
     # Shrink while the grid would leave most SMs idle.
     while block_rows > 1 and triton.cdiv(rows, block_rows) < sms:
         block_rows //= 2
-    block_t = max(1, min(triton.next_power_of_2(max(1, target // (p.kv_lora_rank + p.rope_dim))), 64))
-    while block_t > 1 and triton.cdiv(p.num_tokens, block_t) < sms:
+    block_t = max(1, min(triton.next_power_of_2(max(1, 4096 // (p.kv_lora_rank + p.rope_dim))), 64))
+    while block_t > 1 and triton.cdiv(p.num_tokens, block_t) < sms // 2:
         block_t //= 2
-    return dict(BLOCK_T=block_t, BLOCK_ROWS=block_rows, BLOCK_L=BLOCK_L, num_warps=4)
+    return dict(BLOCK_T=block_t, BLOCK_ROWS=block_rows, BLOCK_L=BLOCK_L, num_warps=4, USE_PDL=_pdl_ok(device))
 
 
 def _launch(p: Problem, decode: bool, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping,
@@ -381,6 +447,7 @@ def _launch(p: Problem, decode: bool, positions, q_pe, k_pe, kv_c, cos_sin_cache
             Q_MODE=qmeta["MODE"], Q_HAS_SCALE=qmeta["HAS_SCALE"], Q_FP8_MAX=qmeta["FP8_MAX"],
             Q_BIAS=qmeta["BIAS"], Q_MAN=qmeta["MAN"], Q_SIGNED_ZERO=qmeta["SIGNED_ZERO"], Q_NAN=qmeta["NAN"],
             BLOCK_R2=triton.next_power_of_2(R // 2), **cfg,
+            **({"launch_pdl": True} if cfg["USE_PDL"] else {}),
         )  # fmt: skip
 
 

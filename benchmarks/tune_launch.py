@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""Coordinate search over the Triton kernel's launch configuration, per shape class.
+
+Not part of the regular benchmark: it informs the heuristic in
+``vllm_mla_fusion/backends/triton.py::_launch_config`` (docs/performance.md
+records what it found). For each shape it starts from the current heuristic and
+varies one knob at a time (rows per query program, tokens per cache program,
+warps, programmatic dependent launch), timing each variant as a CUDA graph of
+back-to-back calls on rotated inputs (benchmarks/timing.py).
+
+    python benchmarks/tune_launch.py --out /tmp/tune      # H200: ~3 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import timing  # noqa: E402
+
+import vllm_mla_fusion as mla  # noqa: E402
+from vllm_mla_fusion.backends import triton as tb  # noqa: E402
+
+L, R, NOPE, MAX_POS = 512, 64, 128, 163840
+SHAPES = [  # (op, H, T, fp8)
+    *[("prefill", H, T, False) for H in (16, 128) for T in (1, 16, 256, 4096, 16384)],
+    *[("decode", H, T, False) for H in (16, 128) for T in (1, 16, 64, 256, 4096)],
+    ("decode", 128, 4096, True),
+    ("decode", 16, 4096, True),
+    ("prefill", 16, 4096, True),
+]
+
+
+def make_sets(op, H, T, fp8, n_sets, device):
+    sets = []
+    for _ in range(n_sets):
+        q = torch.randn(T, H, NOPE + R, device=device, dtype=torch.bfloat16)
+        kv_a = torch.randn(T, L + R, device=device, dtype=torch.bfloat16)
+        nb = T // 64 + 2
+        s = dict(
+            positions=torch.randint(0, MAX_POS, (T,), device=device),
+            q_pe=q[..., NOPE:],
+            k_pe=kv_a[:, L:],
+            kv_c=torch.randn(T, L, device=device, dtype=torch.bfloat16),
+            slot_mapping=torch.randperm(nb * 64, device=device)[:T],
+            kv_cache=torch.zeros(nb, 64, L + R, device=device, dtype=torch.uint8 if fp8 else torch.bfloat16),
+        )
+        if op == "decode":
+            s["ql_nope"] = torch.randn(H, T, L, device=device, dtype=torch.bfloat16).transpose(0, 1)
+            s["q_out"] = torch.empty(T, H, L + R, device=device, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+        sets.append(s)
+    return sets
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    cs = torch.randn(MAX_POS, R, device=device)
+    scale = torch.tensor([0.05], device=device)
+    floor = timing.launch_floor(device)
+    print(f"trivial kernel {floor}", flush=True)
+    results = []
+    for op, H, T, fp8 in SHAPES:
+        per_set = T * H * (L + R) * 4 + T * (L + R) * 4
+        n_sets = int(max(2, min(32, 256e6 // max(per_set, 1))))
+        sets = make_sets(op, H, T, fp8, n_sets, device)
+        n_calls = max(n_sets, 40 if T <= 256 else 8)
+        kvd = "fp8" if fp8 else "auto"
+
+        def call(i, op=op, sets=sets, kvd=kvd, fp8=fp8):
+            s = sets[i % len(sets)]
+            if op == "prefill":
+                mla.mla_rope_cache_write(s["positions"], s["q_pe"], s["k_pe"], s["kv_c"], cs, False, s["slot_mapping"],
+                                         s["kv_cache"], kvd, scale if fp8 else None, backend="triton")  # fmt: skip
+            else:
+                mla.mla_decode_rope_cache_write(s["positions"], s["ql_nope"], s["q_pe"], s["k_pe"], s["kv_c"], cs,
+                                                False, s["slot_mapping"], s["kv_cache"], s["q_out"], kvd,
+                                                scale if fp8 else None, scale if fp8 else None,
+                                                backend="triton")  # fmt: skip
+
+        p = tb.Problem(T, H, L, R, torch.uint8 if fp8 else torch.bfloat16)
+        tb.LAUNCH_CONFIG_OVERRIDE = None
+        base = tb._launch_config(p, op == "decode", device)
+
+        def measure(cfg):
+            tb.LAUNCH_CONFIG_OVERRIDE = cfg
+            try:
+                return timing.cuda_graph_time(call, n_calls, 9, device).us
+            except Exception as e:  # a config that does not compile or launch is just skipped
+                print(f"   config {cfg} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                return float("inf")
+            finally:
+                tb.LAUNCH_CONFIG_OVERRIDE = None
+
+        best, best_us = dict(base), measure(base)
+        tried = [(dict(base), best_us)]
+        row_elems = (L + R) if op == "decode" else R
+        knobs = [
+            ("BLOCK_ROWS", [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b * row_elems <= 32768]),
+            ("BLOCK_T", [1, 2, 4, 8, 16, 32]),
+            ("num_warps", [1, 2, 4, 8]),
+            ("USE_PDL", [False, True]),
+            ("BLOCK_ROWS", [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b * row_elems <= 32768]),
+        ]
+        for knob, values in knobs:
+            for v in values:
+                if v == best[knob]:
+                    continue
+                cfg = dict(best, **{knob: v})
+                us = measure(cfg)
+                tried.append((cfg, us))
+                if us < best_us * 0.98:
+                    best, best_us = cfg, us
+        base_us = tried[0][1]
+        print(f"{op:8s} H={H:4d} T={T:6d} {'fp8 ' if fp8 else 'bf16'} heuristic {base_us:8.2f} us {base}  "
+              f"best {best_us:8.2f} us {best}", flush=True)
+        results.append(dict(op=op, H=H, T=T, fp8=fp8, heuristic=base, heuristic_us=base_us, best=best,
+                            best_us=best_us, tried=[dict(cfg=c, us=u) for c, u in tried]))  # fmt: skip
+        del sets
+        torch.cuda.empty_cache()
+    (args.out / "tune_launch.json").write_text(json.dumps(dict(floor=floor, results=results), indent=1))
+
+
+if __name__ == "__main__":
+    main()
