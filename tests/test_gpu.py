@@ -176,3 +176,22 @@ def test_sanitize_core_cases(layout):
                      q_scale=0.3 if fp8 else None, **DSV3, **layout)  # fmt: skip
     mla.mla_decode_rope_cache_write(*case.decode_args(), backend="triton")
     check_decode_rope_cache_write(case)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_native_fp8_store_saturates(q_dtype):
+    """The GPU's own fp8 conversion path stores the finite max for overflowing values
+    (huge inputs, tiny scales, infinities) and keeps NaN, like the reference."""
+    case = make_case(T=40, H=16, decode=True, cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=1e-4,
+                     q_out_dtype=q_dtype, q_scale=1e-4, pad_every=0, device="cuda", seed=8, **DSV3)  # fmt: skip
+    case.ql_nope[0, 0, :4] = torch.tensor([float("inf"), -float("inf"), 1e30, -1e30], dtype=case.ql_nope.dtype)
+    case.snapshot()
+    mla.mla_decode_rope_cache_write(*case.decode_args(), backend="triton")
+    fmax = torch.finfo(q_dtype).max
+    assert case.q_out[0, 0, :4].float().tolist() == [fmax, -fmax, fmax, -fmax]
+    # The rest (most of it past the fp8 range too, at this scale) against the reference:
+    # replace the four non-finite probes by zeros on both sides first.
+    case.ql_nope[0, 0, :4] = 0
+    case.q_out[0, 0, :4] = 0
+    check_decode_rope_cache_write(case)
+    assert case.kv_cache.view(torch.float8_e4m3fn).float().abs().max() == 448.0

@@ -43,8 +43,9 @@ _FP8_FORMATS = {
 }
 _NAN_BITS = {torch.float8_e4m3fn: 0x7F, torch.float8_e4m3fnuz: 0x80, torch.float8_e5m2: 0x7F}
 
-# Output modes (constexpr): how a tile is rounded on store.
-_PLAIN, _FP8_NATIVE, _FP8_BITS = 0, 1, 2
+# Output modes (constexpr): how a tile is rounded on store. Plain cast; fp8 by the GPU's
+# saturating conversion (NVIDIA); fp8 by our own bit encoder; fp8 clamped, then converted (ROCm).
+_PLAIN, _FP8_SATURATING, _FP8_BITS, _FP8_CLAMPED = 0, 1, 2, 3
 
 
 @triton.jit
@@ -108,12 +109,16 @@ def _round_for_store(x, scale, inv_scale, out_ptr, MODE: tl.constexpr, HAS_SCALE
             q = x * inv_scale
             r = tl.fma(-q, scale, x)
             x = tl.where(tl.abs(q) < 2 * FP8_MAX, tl.fma(r, inv_scale, q), q)
-        # Saturate finite values and infinities; NaN stays NaN (min/max would drop it).
-        x = tl.where(x != x, x, tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
         if MODE == 1:
+            # NVIDIA converts with cvt.rn.satfinite: saturation and NaN handling come free.
             y = x.to(out_ptr.dtype.element_ty)
         else:
-            y = _fp8_bits(x, BIAS, MAN, SIGNED_ZERO, NAN_BITS)
+            # Saturate finite values and infinities; NaN stays NaN (min/max would drop it).
+            x = tl.where(x != x, x, tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
+            if MODE == 2:
+                y = _fp8_bits(x, BIAS, MAN, SIGNED_ZERO, NAN_BITS)
+            else:
+                y = x.to(out_ptr.dtype.element_ty)
     return y
 
 
@@ -358,7 +363,8 @@ def _store_meta(out: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | Non
     meta = dict(HAS_SCALE=scale is not None, FP8_MAX=float(torch.finfo(dtype).max), BIAS=bias, MAN=man,
                 SIGNED_ZERO=signed_zero, NAN=_NAN_BITS[dtype])  # fmt: skip
     if _native_fp8_ok(out.device, dtype):
-        return fp8.typed_view(out, dtype), dict(MODE=_FP8_NATIVE, **meta)
+        mode = _FP8_CLAMPED if torch.version.hip is not None else _FP8_SATURATING
+        return fp8.typed_view(out, dtype), dict(MODE=mode, **meta)
     return out.view(torch.uint8), dict(MODE=_FP8_BITS, **meta)
 
 
