@@ -21,6 +21,11 @@ if [ ! -f "$env_dir/.complete" ]; then
 else
   echo "[env] reusing $env_dir" >&2
 fi
-"$env_dir/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$repo" >&2
+log=$(mktemp)
+if ! "$env_dir/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$repo" >"$log" 2>&1; then
+  cat "$log" >&2
+  exit 1
+fi
+rm -f "$log"
 PY="$env_dir/bin/python"
 export PY
