@@ -1,0 +1,60 @@
+"""Fixtures for the ``vllm``-marked tests: vLLM's CPU platform, the plugin on or off.
+
+vLLM picks its platform when first imported, so VLLM_TARGET_DEVICE is set
+here, before any test module imports it. Test modules import vLLM through
+``pytest.importorskip`` so that they skip, with a reason, where it is absent.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+# The model directory is local; without this, config loading probes the Hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from . import harness  # noqa: E402 - after the platform choice
+
+PLUGIN_ENV = ("VLLM_MLA_FUSION", "VLLM_MLA_FUSION_DECODE", "VLLM_PLUGINS")
+
+
+@pytest.fixture(autouse=True)
+def _clean_plugin_env(monkeypatch):
+    for name in PLUGIN_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="session")
+def vllm_cpu(tmp_path_factory) -> harness.VllmCpu:
+    """The session's VllmConfig (tiny DeepSeek-V3 config) and gloo process group."""
+    pytest.importorskip("vllm")
+    harness.install_cpu_decode_stand_in()
+    return harness.VllmCpu(harness.write_model_dir(str(tmp_path_factory.mktemp("dsv3_tiny"))))
+
+
+def _unregister() -> None:
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    from vllm_mla_fusion.vllm_plugin.compat import WRAPPER_KEY
+
+    op_registry_oot.pop(WRAPPER_KEY, None)
+
+
+@pytest.fixture
+def plugin_off():
+    """vLLM's registry without the plugin's wrapper (restored afterwards)."""
+    pytest.importorskip("vllm")
+    _unregister()
+    yield
+    _unregister()
+
+
+@pytest.fixture
+def plugin_on(plugin_off):
+    """The plugin registered as vLLM's entry point would; unregistered afterwards."""
+    from vllm_mla_fusion.vllm_plugin import register
+
+    register()
+    yield

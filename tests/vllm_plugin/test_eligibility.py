@@ -1,0 +1,195 @@
+"""Which layers take the fused path, and what an ineligible or failing layer does instead."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import pytest
+import torch
+
+from . import harness as H
+
+pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.vllm
+
+PLUGIN_LOGGER = "vllm.vllm_mla_fusion"
+
+
+ROPES = [
+    # (label, get_rope args, expected reason substring or None)
+    ("neox default", (64, 4096, True, {"rope_type": "default"}), None),
+    (
+        "gptj yarn",
+        (64, 4096, False, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}),
+        None,
+    ),
+    ("partial rotary", (64, 4096, True, {"rope_type": "default", "partial_rotary_factor": 0.5}), "partial rotary"),
+    ("mrope", (64, 4096, True, {"rope_type": "default", "mrope_section": [8, 12, 12]}), "not a plain"),
+    ("rotary dim 128", (128, 4096, True, {"rope_type": "default"}), "qk_rope_head_dim 64"),
+]
+
+
+@pytest.mark.parametrize(("label", "args", "reason"), ROPES, ids=[r[0] for r in ROPES])
+def test_rope_rules(vllm_cpu, label, args, reason):
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from vllm_mla_fusion.vllm_plugin.eligibility import rope_reason
+
+    with vllm_cpu.active():
+        rope = get_rope(*args)
+    got = rope_reason(rope, 64, H.DTYPE)
+    if reason is None:
+        assert got is None
+    else:
+        assert got is not None and reason in got, got
+
+
+def test_deepseek_rope_and_no_rope(vllm_cpu, plugin_off):
+    from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import DeepseekScalingRotaryEmbedding
+
+    from vllm_mla_fusion.vllm_plugin.eligibility import rope_reason
+
+    rope = vllm_cpu.build_attention().rotary_emb
+    assert type(rope) is DeepseekScalingRotaryEmbedding and rope.is_neox_style is False
+    assert rope_reason(rope, 64, H.DTYPE) is None
+    assert "no rotary" in rope_reason(None, 64, H.DTYPE)
+
+
+LAYER_RULES = [
+    # (object path from the wrapper, attribute, value, reason substring)
+    ("mla_attn", "kv_cache_dtype", "fp8_ds_mla", "kv_cache_dtype 'fp8_ds_mla'"),
+    ("mla_attn", "kv_cache_dtype", "nvfp4_ds_mla", "kv_cache_dtype 'nvfp4_ds_mla'"),
+    ("", "is_sparse", True, "sparse MLA"),
+    ("", "dcp_q_replicate", True, "DCP query replication"),
+    ("mla_attn.impl", "dcp_world_size", 2, "decode context parallelism"),
+    ("mla_attn", "use_pcp", True, "prefill context parallelism"),
+    ("mla_attn", "use_direct_call", True, "opaque attention op"),
+]
+
+
+@pytest.mark.parametrize(("path", "attr", "value", "reason"), LAYER_RULES, ids=[f"{r[1]}={r[2]}" for r in LAYER_RULES])
+def test_layer_rules(vllm_cpu, plugin_off, monkeypatch, path, attr, value, reason):
+    from vllm_mla_fusion.vllm_plugin.eligibility import layer_reason
+
+    wrapper = vllm_cpu.build_attention().mla_attn
+    assert layer_reason(wrapper, vllm_cpu.config) is None
+    target = wrapper
+    for part in filter(None, path.split(".")):
+        target = getattr(target, part)
+    monkeypatch.setattr(target, attr, value)
+    got = layer_reason(wrapper, vllm_cpu.config)
+    assert got is not None and reason in got, got
+
+
+DECODE_RULES = [
+    ("q_pad_num_heads", 128, "pads query heads"),
+    ("is_amx_bmm_enabled", True, "BMM"),
+    ("is_aiter_triton_fp8_bmm_enabled", True, "BMM"),
+]
+
+
+@pytest.mark.parametrize(("attr", "value", "reason"), DECODE_RULES, ids=[r[0] for r in DECODE_RULES])
+def test_decode_rules(vllm_cpu, plugin_off, monkeypatch, attr, value, reason):
+    from vllm_mla_fusion.vllm_plugin.eligibility import decode_reason
+
+    attn = vllm_cpu.build_attention().mla_attn.mla_attn
+    config = vllm_cpu.config
+    assert decode_reason(attn, config) is None
+    monkeypatch.setattr(attn, attr, value)
+    got = decode_reason(attn, config)
+    assert got is not None and reason in got, got
+
+
+def test_decode_rules_from_config(vllm_cpu, plugin_off, monkeypatch):
+    from vllm_mla_fusion.vllm_plugin.eligibility import decode_reason
+
+    attn = vllm_cpu.build_attention().mla_attn.mla_attn
+    config = vllm_cpu.config
+    monkeypatch.setattr(config.compilation_config.pass_config, "fuse_attn_quant", True)
+    assert "fuse_attn_quant" in decode_reason(attn, config)
+    monkeypatch.setattr(config.compilation_config.pass_config, "fuse_attn_quant", False)
+    monkeypatch.setenv("VLLM_MLA_FUSION_DECODE", "0")
+    assert "VLLM_MLA_FUSION_DECODE=0" in decode_reason(attn, config)
+
+
+def _two_steps(vllm_cpu, attns):
+    """Outputs and caches of a prefill then a decode step, for each layer in ``attns``."""
+    builder = vllm_cpu.builder([H.mla_layer(a)[1].layer_name for a in attns])
+    results = [[] for _ in attns]
+    requests = {0: H.Request([3, 1]), 1: H.Request([0, 2])}
+    g = torch.Generator().manual_seed(9)
+    for step in (H.Step("prefill", [(0, 5), (1, 9)]), H.Step("decode", [(0, 1), (1, 1)])):
+        common = H.prepare_step(step, requests)
+        with vllm_cpu.active():
+            metadata = builder.build(0, common)
+        hidden = torch.randn((step.positions.numel(), H.DSV3_CONFIG["hidden_size"]), generator=g).to(H.DTYPE)
+        for out, attn in zip(results, attns, strict=True):
+            out.append(H.run_step(vllm_cpu, attn, metadata, step, hidden))
+    return results
+
+
+def test_ineligible_layer_is_vllms_layer(vllm_cpu, plugin_off, monkeypatch, caplog):
+    """A model config with llama_4_scaling: the plugin's wrapper runs vLLM's forward, bit for bit."""
+    from vllm_mla_fusion.vllm_plugin import register
+
+    monkeypatch.setattr(vllm_cpu.model_config.hf_text_config, "llama_4_scaling", {"beta": 0.1}, raising=False)
+    off = vllm_cpu.build_attention()
+    state = vllm_cpu.finish_weights(off, seed=2)
+    register()
+    with caplog.at_level(logging.DEBUG, logger=PLUGIN_LOGGER):
+        on = vllm_cpu.build_attention()
+    vllm_cpu.finish_weights(on, state)
+    assert type(on.mla_attn).__name__ == "FusedMultiHeadLatentAttentionWrapper"
+    assert on.mla_attn.fusion_mode is None
+    assert type(H.mla_layer(on)[1]).__name__ == "MLAAttention"
+    reasons = [r for r in caplog.records if r.levelno == logging.DEBUG and "llama_4_scaling" in r.getMessage()]
+    assert len(reasons) == 1 and H.mla_layer(on)[0].prefix in reasons[0].getMessage()
+
+    for attn in (off, on):
+        H.mla_layer(attn)[1].bind_kv_cache(H.new_kv_cache(seed=4))
+    outs_off, outs_on = _two_steps(vllm_cpu, (off, on))
+    for got, want in zip(outs_on, outs_off, strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(H.mla_layer(on)[1].kv_cache, H.mla_layer(off)[1].kv_cache)
+
+
+def test_setup_failure_falls_back_with_one_warning(vllm_cpu, plugin_off, monkeypatch, caplog):
+    from vllm_mla_fusion.vllm_plugin import eligibility, register
+
+    marker = f"simulated setup failure {uuid.uuid4().hex}"
+
+    def broken(*args):
+        raise RuntimeError(marker)
+
+    monkeypatch.setattr(eligibility, "decode_reason", broken)
+    register()
+    with caplog.at_level(logging.WARNING, logger=PLUGIN_LOGGER):
+        layers = [vllm_cpu.build_attention() for _ in range(2)]
+    for attn in layers:
+        assert attn.mla_attn.fusion_mode is None
+        assert type(H.mla_layer(attn)[1]).__name__ == "MLAAttention"  # never half-fused
+    warnings = [r for r in caplog.records if marker in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+
+
+def test_llama_4_scaling_at_forward_is_refused(vllm_cpu, plugin_on):
+    attn = vllm_cpu.build_attention()
+    vllm_cpu.finish_weights(attn)
+    assert attn.mla_attn.fusion_mode == "decode"
+    positions = torch.arange(3)
+    hidden = torch.zeros((3, H.DSV3_CONFIG["hidden_size"]), dtype=H.DTYPE)
+    with pytest.raises(ValueError, match="llama_4_scaling"):
+        attn.mla_attn(positions, hidden, torch.ones(3, 1, 1, dtype=H.DTYPE))
+
+
+def test_unrunnable_backend_falls_back_with_a_warning(vllm_cpu, plugin_on, monkeypatch, caplog):
+    """VLLM_MLA_FUSION_BACKEND naming a backend that cannot run here is reported, not silently ignored."""
+    monkeypatch.setenv("VLLM_MLA_FUSION_BACKEND", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # Triton runs CPU tensors only in its interpreter
+    with caplog.at_level(logging.WARNING, logger=PLUGIN_LOGGER):
+        attn = vllm_cpu.build_attention()
+    assert attn.mla_attn.fusion_mode is None
+    assert type(H.mla_layer(attn)[1]).__name__ == "MLAAttention"
+    assert any("interpreter" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)

@@ -1,0 +1,260 @@
+"""A DeepSeek-V3-shaped MLA layer built by vLLM, plugin on versus off, over a schedule of steps.
+
+Tolerance contract (bf16 model):
+
+- latent part of every written cache row (``kv_c_normed``): bit-identical,
+  both paths copy the same bf16 values;
+- rope part of a written row and the rotated query: vLLM's native RoPE
+  rounds each bf16 product and sum, the fused op computes in float32 and
+  rounds once, so each value may differ by about one bf16 ulp of its
+  rotation pair's norm; the bound is 2^-6 times that norm (two ulps);
+- cache rows no slot names: bit-identical to the canary they started with;
+- attention outputs: those rounding differences, carried through softmax and
+  two projections, stay within a few ulps of the largest output:
+  2^-6 relative plus 2^-6 times the largest magnitude.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from . import harness as H
+
+pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.vllm
+
+L, R = 512, 64
+HIDDEN = H.DSV3_CONFIG["hidden_size"]
+
+
+def rope_pair_norm(x: torch.Tensor) -> torch.Tensor:
+    """Per element, the norm of its GPT-J rotation pair (DeepSeek rotates interleaved pairs)."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    return pairs.norm(dim=-1, keepdim=True).expand_as(pairs).flatten(-2)
+
+
+def assert_rope_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    tol = 2.0**-6 * torch.maximum(rope_pair_norm(got), rope_pair_norm(want)) + 2.0**-20
+    err = (got.float() - want.float()).abs()
+    assert (err <= tol).all(), f"{what}: worst error {err.max().item()} (tolerance there {tol.flatten()[err.argmax()]})"
+
+
+def assert_output_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    bound = 2.0**-6 * want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2.0**-6, atol=bound, msg=lambda m: f"{what}: {m}")
+
+
+def schedule() -> tuple[dict[int, H.Request], list[H.Step]]:
+    """A prefill, decodes, a mixed batch, decodes + a chunked prefill, padded batches."""
+    requests = {
+        0: H.Request([5, 2, 9, 12]),
+        1: H.Request([0, 7, 3, 14]),
+        2: H.Request([1, 10, 4, 6]),
+        3: H.Request([11, 8, 13, 15]),
+    }
+    steps = [
+        H.Step("prefill", [(0, 13), (1, 29)]),
+        H.Step("decode", [(0, 1), (1, 1)]),
+        H.Step("decode", [(0, 1), (1, 1)]),
+        H.Step("mixed", [(0, 1), (1, 1), (2, 20)]),
+        H.Step("decode+chunked prefill", [(0, 1), (1, 1), (2, 15)]),
+        H.Step("padded decode", [(0, 1), (1, 1), (2, 1)], pad_to=8),
+        H.Step("padded mixed", [(0, 1), (2, 1), (3, 7)], pad_to=16),
+    ]
+    return requests, steps
+
+
+def take_all(counters) -> int:
+    return sum(c.take() for c in counters)
+
+
+class Counter:
+    """Counts calls of a function it replaces, by attribute, for the duration of a test."""
+
+    def __init__(self, monkeypatch, owner, name: str):
+        self.calls = 0
+        original = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+
+    def take(self) -> int:
+        n, self.calls = self.calls, 0
+        return n
+
+
+# (fused mode, q_lora_rank): DeepSeek-V3 (q_lora_rank 1536) in both modes, and the
+# DeepSeek-V2-Lite layout without a q LoRA (q_proj instead of q_a/q_b projections).
+LAYOUTS = [("decode", 1536), ("rope_cache", 1536), ("decode", None)]
+LAYOUT_IDS = ["decode", "rope_cache", "decode-no-q-lora"]
+
+
+@pytest.fixture
+def layer_pair(vllm_cpu, plugin_off, monkeypatch, request):
+    """(vLLM's layer, the plugin's layer) with the same random weights and canary-filled caches."""
+    from vllm_mla_fusion.vllm_plugin import register
+
+    mode, q_lora_rank = request.param
+    hf_config = copy.copy(vllm_cpu.model_config.hf_config)
+    hf_config.q_lora_rank = q_lora_rank
+    off = vllm_cpu.build_attention(hf_config)
+    state = vllm_cpu.finish_weights(off, seed=0)
+    if mode == "rope_cache":
+        monkeypatch.setenv("VLLM_MLA_FUSION_DECODE", "0")
+    register()
+    on = vllm_cpu.build_attention(hf_config)
+    vllm_cpu.finish_weights(on, state)
+    assert type(off.mla_attn).__name__ == "MultiHeadLatentAttentionWrapper"
+    assert on.mla_attn.fusion_mode == mode
+    assert (on.mla_attn.q_proj is None) == (q_lora_rank is not None)
+    for attn in (off, on):
+        H.mla_layer(attn)[1].bind_kv_cache(H.new_kv_cache(seed=7))
+    return off, on
+
+
+@pytest.mark.parametrize("layer_pair", LAYOUTS, ids=LAYOUT_IDS, indirect=True)
+def test_schedule_matches_vllm(vllm_cpu, layer_pair, monkeypatch):
+    off, on = layer_pair
+    mode = on.mla_attn.fusion_mode
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+    from vllm_mla_fusion.backends import reference
+
+    # vLLM caches rope modules by parameters, so both layers may share one.
+    ropes = {id(a.rotary_emb): a.rotary_emb for a in (off, on)}
+    rope_counters = [Counter(monkeypatch, rope, "forward") for rope in ropes.values()]
+    vllm_cache_writes = Counter(monkeypatch, CPUMLAImpl, "do_kv_cache_update")
+    fused_rope_cache = Counter(monkeypatch, reference, "rope_cache_write")
+    fused_decode = Counter(monkeypatch, reference, "decode_rope_cache_write")
+
+    caches = {name: H.mla_layer(a)[1].kv_cache for name, a in (("off", off), ("on", on))}
+    builder = vllm_cpu.builder([H.mla_layer(a)[1].layer_name for a in (off, on)])
+    requests, steps = schedule()
+    written = torch.zeros(caches["off"].shape[:2], dtype=torch.bool)
+    canary = caches["off"].clone()
+    g = torch.Generator().manual_seed(3)
+    for step in steps:
+        common = H.prepare_step(step, requests)
+        with vllm_cpu.active():
+            metadata = builder.build(0, common)
+        num_decode, T = metadata.num_decode_tokens, step.num_tokens
+        hidden = torch.randn((step.positions.numel(), HIDDEN), generator=g).to(H.DTYPE)
+
+        H.DECODE_QUERIES.clear()
+        want = H.run_step(vllm_cpu, off, metadata, step, hidden)
+        queries_off = list(H.DECODE_QUERIES)
+        assert (take_all(rope_counters), vllm_cache_writes.take()) == (1, 1), step.name
+        assert (fused_rope_cache.take(), fused_decode.take()) == (0, 0), step.name
+
+        H.DECODE_QUERIES.clear()
+        got = H.run_step(vllm_cpu, on, metadata, step, hidden)
+        queries_on = list(H.DECODE_QUERIES)
+        # Launches of the fused ops, and no separate RoPE or cache write.
+        assert (take_all(rope_counters), vllm_cache_writes.take()) == (0, 0), step.name
+        has_prefill, has_decode = T > num_decode, num_decode > 0
+        if mode == "decode":
+            expected = (int(has_prefill), int(has_decode))
+        else:
+            expected = (1, 0)
+        assert (fused_rope_cache.take(), fused_decode.take()) == expected, step.name
+
+        assert_output_close(got[:T], want[:T], f"{step.name}: attention output")
+        # The decode query the backend's decode kernel received.
+        assert len(queries_on) == len(queries_off) == int(has_decode), step.name
+        for q_on, q_off in zip(queries_on, queries_off, strict=True):
+            assert q_on.shape == q_off.shape == (num_decode, 4, L + R)
+            assert torch.equal(q_on[..., :L], q_off[..., :L]), f"{step.name}: decode query latent part"
+            assert_rope_close(q_on[..., L:], q_off[..., L:], f"{step.name}: decode query rope part")
+
+        # The cache: every row this step wrote, and nothing else.
+        slots = step.slots[:T]
+        blocks, offsets = slots // H.BLOCK_SIZE, slots % H.BLOCK_SIZE
+        written[blocks, offsets] = True
+        rows_on, rows_off = caches["on"][blocks, offsets], caches["off"][blocks, offsets]
+        assert torch.equal(rows_on[:, :L], rows_off[:, :L]), f"{step.name}: cache latent part"
+        assert_rope_close(rows_on[:, L:], rows_off[:, L:], f"{step.name}: cache rope part")
+        for name, cache in caches.items():
+            untouched = ~written
+            assert torch.equal(cache[untouched], canary[untouched]), f"{step.name}: {name} wrote elsewhere"
+
+
+@pytest.mark.parametrize("layer_pair", LAYOUTS[:2], ids=LAYOUT_IDS[:2], indirect=True)
+def test_compiled_forward_matches_eager(vllm_cpu, layer_pair):
+    """The fused forward traces into one graph (the ops are custom ops with fakes) and computes the same."""
+    off, on = layer_pair
+    _, mla = H.mla_layer(on)
+    builder = vllm_cpu.builder([mla.layer_name])
+    requests, steps = schedule()
+    graph_ops: set[str] = set()
+
+    def recording_backend(gm, example_inputs):
+        graph_ops.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    compiled = torch.compile(on, backend=recording_backend, fullgraph=True, dynamic=False)
+    g = torch.Generator().manual_seed(5)
+    for step in steps[:4]:  # prefill, decodes, mixed
+        common = H.prepare_step(step, requests)
+        with vllm_cpu.active():
+            metadata = builder.build(0, common)
+        hidden = torch.randn((step.positions.numel(), HIDDEN), generator=g).to(H.DTYPE)
+        before = mla.kv_cache.clone()
+        want = H.run_step(vllm_cpu, on, metadata, step, hidden)
+        cache_eager = mla.kv_cache.clone()
+        mla.kv_cache.copy_(before)
+        got = H.run_step(vllm_cpu, compiled, metadata, step, hidden)
+        T = step.num_tokens
+        # Same ops on the same inputs: only eager-vs-traced op grouping may differ.
+        torch.testing.assert_close(got[:T], want[:T], rtol=0, atol=0, msg=lambda m, name=step.name: f"{name}: {m}")
+        assert torch.equal(mla.kv_cache, cache_eager), step.name
+    # One custom op of ours in the graph; vLLM's separate cache update is not issued.
+    fused_op = {
+        "decode": "mla_fusion_vllm.mla_attention_with_output",
+        "rope_cache": "mla_fusion_vllm.rope_kv_cache_update",
+    }[on.mla_attn.fusion_mode]
+    assert any(fused_op in t for t in graph_ops), sorted(graph_ops)
+    assert not any("unified_mla_kv_cache_update" in t for t in graph_ops)
+
+
+def test_decode_mode_splits_its_attention_op_where_vllm_splits_its_own(vllm_cpu, plugin_on, monkeypatch):
+    """Piecewise CUDA graphs must leave the fused attention op eager, as they leave vLLM's."""
+    cc = vllm_cpu.config.compilation_config
+    monkeypatch.setattr(cc, "splitting_ops", ["vllm::unified_mla_attention_with_output"])
+    assert vllm_cpu.build_attention().mla_attn.fusion_mode == "decode"
+    assert cc.splitting_ops == ["vllm::unified_mla_attention_with_output", "mla_fusion_vllm::mla_attention_with_output"]
+    vllm_cpu.build_attention()
+    assert cc.splitting_ops.count("mla_fusion_vllm::mla_attention_with_output") == 1
+    # Where vLLM captures its attention op in the graph (full graphs), so is the fused one.
+    monkeypatch.setattr(cc, "splitting_ops", [])
+    vllm_cpu.build_attention()
+    assert cc.splitting_ops == []
+
+
+@pytest.mark.parametrize("layer_pair", LAYOUTS[:2], ids=LAYOUT_IDS[:2], indirect=True)
+def test_no_slot_mapping_entry_writes_nothing(vllm_cpu, layer_pair):
+    """As in vLLM: a layer without a slot-mapping entry writes no cache row; its RoPE still happens."""
+    from vllm.forward_context import set_forward_context
+
+    off, on = layer_pair
+    builder = vllm_cpu.builder([H.mla_layer(a)[1].layer_name for a in (off, on)])
+    requests, steps = schedule()
+    step = steps[0]  # a prefill: attention uses the step's own (rotated) keys, not the cache
+    common = H.prepare_step(step, requests)
+    with vllm_cpu.active():
+        metadata = builder.build(0, common)
+    hidden = torch.randn((step.positions.numel(), HIDDEN), generator=torch.Generator().manual_seed(8)).to(H.DTYPE)
+    outs = []
+    for attn in (off, on):
+        mla = H.mla_layer(attn)[1]
+        before = mla.kv_cache.clone()
+        with vllm_cpu.active(), set_forward_context({mla.layer_name: metadata}, vllm_cpu.config, slot_mapping={}):
+            outs.append(attn(step.positions, hidden, None))
+        assert torch.equal(mla.kv_cache, before)
+    assert_output_close(outs[1], outs[0], "attention output without a slot mapping")

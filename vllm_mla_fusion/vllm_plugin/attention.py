@@ -1,0 +1,156 @@
+"""MLAAttention whose decode query is assembled by the fused decode op.
+
+In vLLM 0.33 ``MLAAttention.forward_impl`` computes, for the decode tokens
+(the first ``num_decode_tokens`` of the batch), ``ql_nope = q_nope @ W_UK``
+and then hands ``(ql_nope, q_pe)`` to the backend's ``forward_mqa``, which
+concatenates them, or, when the backend takes an fp8 query, concatenates and
+quantizes them first (``_decode_concat_quant_fp8_op``). A fused layer keeps
+all of ``forward_impl`` and changes only that hand-over: the fp8 concat-quant
+becomes a pass-through and ``forward_mqa`` first turns the pair into
+``[ql_nope | rope(q_pe)]`` with ``mla_fusion::mla_decode_rope_cache_write``,
+which writes the decode tokens' cache rows in the same launch. Prefill
+tokens get ``mla_fusion::mla_rope_cache_write`` before ``forward_impl``.
+Launches per layer and step: decode-only 1, prefill-only 1, mixed 2.
+
+MLAAttention is not a pluggable layer and registers itself in vLLM's
+static forward context when built, so a second instance cannot be built in
+its place; the wrapper instead promotes the instance it built to this
+subclass, which only adds methods and a few attributes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+from vllm.platforms import current_platform
+from vllm.v1.kv_cache_interface import is_quantized_kv_cache
+
+from ..ops import mla_decode_rope_cache_write, mla_rope_cache_write
+from .custom_ops import write_target
+
+
+class _DeferredDecodeQuery(torch.nn.Module):
+    """Takes the place of ``_decode_concat_quant_fp8_op``: leaves the pair for the fused op."""
+
+    def forward(self, ql_nope: torch.Tensor, q_pe: torch.Tensor, scale: torch.Tensor, scale_ub=None):
+        return ql_nope, q_pe
+
+
+@dataclass
+class _DecodeStep:
+    """What the decode query assembly of one step needs beyond (ql_nope, q_pe)."""
+
+    positions: torch.Tensor  # [num_decode_tokens]
+    k_pe: torch.Tensor  # [num_decode_tokens, 1, R], un-rotated
+    kv_c: torch.Tensor  # [num_decode_tokens, L]
+    slot_mapping: torch.Tensor  # [num_decode_tokens]
+    kv_cache: torch.Tensor
+    kv_cache_dtype: str
+    cos_sin_cache: torch.Tensor
+    is_neox: bool
+    assembled: bool = False
+
+
+class FusedMLAAttention(MLAAttention):
+    """An MLAAttention whose RoPE, cache write and decode query come from the fused ops."""
+
+    _fused_step: _DecodeStep | None
+    _decode_query_dtype: torch.dtype | None  # fp8 when the backend takes an fp8 query
+
+    @classmethod
+    def promote(cls, attn: MLAAttention) -> FusedMLAAttention:
+        """Turn ``attn`` into a FusedMLAAttention in place (see the module docstring)."""
+        # Same condition as forward_impl's choice of the fp8 concat-quant.
+        fp8_query = is_quantized_kv_cache(attn.kv_cache_dtype) and attn.impl.supports_quant_query_input
+        vllm_forward_mqa = attn.impl.forward_mqa
+
+        def forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer):
+            if isinstance(q, tuple):
+                q = layer.assemble_decode_query(*q)
+            return vllm_forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
+
+        attn.__class__ = cls
+        attn._fused_step = None
+        attn._decode_query_dtype = current_platform.fp8_dtype() if fp8_query else None
+        if fp8_query:
+            attn._decode_concat_quant_fp8_op = _DeferredDecodeQuery()
+        attn.impl.forward_mqa = forward_mqa
+        return attn
+
+    def forward_fused(
+        self,
+        q: torch.Tensor,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        is_neox: bool,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor | None,
+        attn_metadata,
+        output: torch.Tensor,
+    ) -> None:
+        """Attention for one step with un-rotated ``q`` ``[T, H, P + R]`` and ``k_pe`` ``[T, 1, R]``.
+
+        Runs inside ``mla_fusion_vllm::mla_attention_with_output``. Tokens
+        past ``num_actual_tokens`` are padding (slot -1): vLLM's forward_impl
+        never reads them, so they are neither rotated nor written.
+        """
+        num_tokens = q.shape[0]
+        rope_dim = self.qk_rope_head_dim
+        cache, slots, cache_dtype = write_target(
+            kv_cache, slot_mapping, self.kv_cache_dtype, num_tokens, self.kv_lora_rank + rope_dim, kv_c_normed
+        )
+        if attn_metadata is None:
+            # Profile and dummy runs: vLLM writes every token that has a slot
+            # and forward_impl returns zeros without reading anything.
+            num_decode, end = 0, num_tokens
+        else:
+            num_decode, end = attn_metadata.num_decode_tokens, attn_metadata.num_actual_tokens
+        if end > num_decode:
+            rows = slice(num_decode, end)
+            mla_rope_cache_write(
+                positions[rows], q[rows, :, -rope_dim:], k_pe[rows], kv_c_normed[rows], cos_sin_cache, is_neox,
+                slots[rows], cache, cache_dtype, self._k_scale,
+            )  # fmt: skip
+        step = None
+        if num_decode > 0:
+            step = _DecodeStep(
+                positions[:num_decode], k_pe[:num_decode], kv_c_normed[:num_decode], slots[:num_decode], cache,
+                cache_dtype, cos_sin_cache, is_neox,
+            )  # fmt: skip
+        self._fused_step = step
+        try:
+            self.forward_impl(q, kv_c_normed, k_pe, kv_cache, attn_metadata, output=output)
+        finally:
+            self._fused_step = None
+        if step is not None and not step.assembled:
+            # forward_impl took a decode route this plugin does not know; the
+            # decode tokens' cache rows would be missing. Fail loudly.
+            raise RuntimeError(
+                f"vllm-mla-fusion: {self.layer_name} had {num_decode} decode tokens but vLLM's forward_impl "
+                "never asked for their query; set VLLM_MLA_FUSION_DECODE=0 and report this vLLM configuration"
+            )
+
+    def assemble_decode_query(self, ql_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        """``[ql_nope | rope(q_pe)]`` ``[B, H, L + R]`` (fp8 if the backend wants it), caching the decode rows."""
+        step = self._fused_step
+        if step is None:
+            raise RuntimeError(
+                f"vllm-mla-fusion: decode attention of {self.layer_name} ran outside the fused attention op"
+            )
+        num_tokens, num_heads, _ = ql_nope.shape
+        q_out = torch.empty(
+            (num_tokens, num_heads, ql_nope.shape[-1] + q_pe.shape[-1]),
+            dtype=self._decode_query_dtype or ql_nope.dtype,
+            device=ql_nope.device,
+        )
+        mla_decode_rope_cache_write(
+            step.positions, ql_nope, q_pe, step.k_pe, step.kv_c, step.cos_sin_cache, step.is_neox, step.slot_mapping,
+            step.kv_cache, q_out, step.kv_cache_dtype, self._k_scale,
+            self._q_scale if self._decode_query_dtype is not None else None,
+        )  # fmt: skip
+        step.assembled = True
+        return q_out

@@ -1,0 +1,137 @@
+"""The plugin's vLLM-side custom ops (namespace ``mla_fusion_vllm``).
+
+Like vLLM's ``unified_mla_kv_cache_update`` and
+``unified_mla_attention_with_output``, each op takes the layer's name and
+resolves the layer's KV cache, slot mapping and attention metadata from
+vLLM's forward context when it runs. That lookup cannot be traced, so it
+lives inside an opaque op: torch.compile records one node, CUDA graphs
+capture what the op launches.
+
+- ``rope_kv_cache_update`` (traced into the compiled graph, needs no
+  attention metadata): ``mla_fusion::mla_rope_cache_write`` over the whole
+  padded batch. Replaces the wrapper's RoPE and vLLM's
+  ``unified_mla_kv_cache_update``; vLLM's attention op follows unchanged.
+- ``mla_attention_with_output`` (a splitting op, like vLLM's attention op):
+  RoPE + cache write for prefill tokens, then vLLM's ``forward_impl`` whose
+  decode query assembly runs ``mla_fusion::mla_decode_rope_cache_write``
+  (attention.py). Takes ``positions``, which vLLM's attention op has no
+  argument for.
+"""
+
+# No `from __future__ import annotations`: infer_schema reads the annotations as types.
+import torch
+from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+from vllm.model_executor.layers.attention.attention import get_attention_context
+from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
+from vllm.platforms import current_platform
+from vllm.utils.torch_utils import LayerNameType, _resolve_layer_name, direct_register_custom_op
+
+from ..ops import mla_rope_cache_write
+
+NAMESPACE = "mla_fusion_vllm"
+ATTENTION_OP = f"{NAMESPACE}::mla_attention_with_output"
+# The op's lifetime is the library object's: keep it for the process.
+_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+
+
+def write_target(
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor | None,
+    kv_cache_dtype: str,
+    num_tokens: int,
+    row_width: int,
+    like: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """The (cache, slots, cache dtype) a fused call writes through.
+
+    vLLM writes nothing when the layer has no slot mapping or no cache yet
+    (profile runs); RoPE must still happen, so such calls get a one-row
+    scratch cache and all-padding slots instead.
+    """
+    if slot_mapping is not None and kv_cache.numel() > 0:
+        return kv_cache, slot_mapping, kv_cache_dtype
+    scratch = torch.empty((1, 1, row_width), dtype=like.dtype, device=like.device)
+    slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=like.device)
+    return scratch, slots, "auto"
+
+
+def rope_kv_cache_update(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_c_normed: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    layer_name: LayerNameType,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate ``q[..., -R:]`` and ``k_pe`` in place and write the layer's KV cache.
+
+    Shapes: positions ``[T]``, q ``[T, H, P + R]``, k_pe ``[T, 1, R]``,
+    kv_c_normed ``[T, L]``. Returns an empty tensor that the attention op
+    takes as ``kv_cache_dummy_dep``, so that the write is ordered before it.
+    """
+    _, _, kv_cache, slot_mapping = get_attention_context(_resolve_layer_name(layer_name))
+    rope_dim = k_pe.shape[-1]
+    q_pe = q[..., q.shape[-1] - rope_dim :]
+    cache, slots, cache_dtype = write_target(
+        kv_cache, slot_mapping, kv_cache_dtype, q.shape[0], kv_c_normed.shape[-1] + rope_dim, kv_c_normed
+    )
+    mla_rope_cache_write(positions, q_pe, k_pe, kv_c_normed, cos_sin_cache, is_neox, slots, cache, cache_dtype, k_scale)
+    return torch.empty(0, device=kv_c_normed.device, dtype=kv_c_normed.dtype)
+
+
+def _rope_kv_cache_update_fake(
+    positions, q, k_pe, kv_c_normed, cos_sin_cache, is_neox, layer_name, kv_cache_dtype, k_scale
+) -> torch.Tensor:
+    return torch.empty(0, device=kv_c_normed.device, dtype=kv_c_normed.dtype)
+
+
+# Outermost as in vLLM's attention op: the KV-connector hooks must run eagerly
+# when a breakable CUDA graph is being captured.
+@eager_break_during_capture
+@maybe_transfer_kv_layer
+def mla_attention_with_output(
+    q: torch.Tensor,
+    kv_c_normed: torch.Tensor,
+    k_pe: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    output: torch.Tensor,
+    layer_name: LayerNameType,
+) -> None:
+    """MLA attention of one layer with the fused RoPE / cache write / decode query.
+
+    q ``[T, H, P + R]`` and k_pe ``[T, 1, R]`` arrive un-rotated; the prefill
+    rows of both are rotated in place. ``output`` ``[T, H * V]`` is written.
+    """
+    attn_metadata, layer, kv_cache, slot_mapping = get_attention_context(_resolve_layer_name(layer_name))
+    layer.forward_fused(
+        q, kv_c_normed, k_pe, positions, cos_sin_cache, is_neox, kv_cache, slot_mapping, attn_metadata, output
+    )
+
+
+def _mla_attention_with_output_fake(
+    q, kv_c_normed, k_pe, positions, cos_sin_cache, is_neox, output, layer_name
+) -> None:
+    return None
+
+
+direct_register_custom_op(
+    op_name="rope_kv_cache_update",
+    op_func=rope_kv_cache_update,
+    mutates_args=["q", "k_pe"],
+    fake_impl=_rope_kv_cache_update_fake,
+    target_lib=_LIB,
+    dispatch_key=current_platform.dispatch_key,
+)
+direct_register_custom_op(
+    op_name="mla_attention_with_output",
+    op_func=mla_attention_with_output,
+    mutates_args=["q", "k_pe", "output"],
+    fake_impl=_mla_attention_with_output_fake,
+    target_lib=_LIB,
+    dispatch_key=current_platform.dispatch_key,
+)

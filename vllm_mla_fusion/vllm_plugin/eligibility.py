@@ -1,0 +1,134 @@
+"""Which MLA layers take the fused path: every rule, checked once per layer at construction.
+
+Each check returns None when the rule holds, else a short reason that the
+layer logs (debug level) before behaving exactly like vLLM's own wrapper. The
+rules are the preconditions of ``mla_fusion::mla_rope_cache_write`` and
+``mla_decode_rope_cache_write`` stated in vLLM's terms; docs/vllm.md lists
+them for users.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import DeepseekScalingRotaryEmbedding
+from vllm.v1.attention.backend import MLAAttentionImpl
+
+from .. import dispatch, fp8
+from . import ENV_DECODE, env_enabled
+
+# RotaryEmbedding subclasses that differ from it only in how cos_sin_cache is
+# filled (YaRN, Llama3, NTK, linear scaling, ...) rotate exactly like it; a
+# subclass that overrides one of these computes something else (FoPE, Gemma4, ...).
+_ROPE_FORWARDS = ("forward", "forward_native", "forward_static", "forward_cuda", "forward_hip", "forward_cpu")
+
+
+def _cpu_mla_kv_cache_update() -> Callable | None:
+    try:
+        from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+    except ImportError:
+        return None
+    return CPUMLAImpl.do_kv_cache_update
+
+
+def rope_reason(rope: torch.nn.Module | None, qk_rope_head_dim: int, act_dtype: torch.dtype) -> str | None:
+    """The layer's rope must be a plain cos_sin_cache RoPE over the whole rope dim."""
+    if rope is None:
+        return "the layer has no rotary embedding"
+    cls = type(rope)
+    # Exact type: DeepseekV4ScalingRotaryEmbedding subclasses it with another forward.
+    plain = cls is DeepseekScalingRotaryEmbedding or (
+        isinstance(rope, RotaryEmbedding)
+        and all(getattr(cls, m, None) is getattr(RotaryEmbedding, m, None) for m in _ROPE_FORWARDS)
+    )
+    if not plain:
+        return f"rotary embedding {cls.__name__} is not a plain cos_sin_cache RoPE"
+    rotary_dim, head_size = getattr(rope, "rotary_dim", None), getattr(rope, "head_size", None)
+    if rotary_dim != head_size:
+        return f"partial rotary embedding (rotary_dim {rotary_dim} != head_size {head_size})"
+    if rotary_dim != qk_rope_head_dim:
+        return f"rotary_dim {rotary_dim} != qk_rope_head_dim {qk_rope_head_dim}"
+    if qk_rope_head_dim < 2 or qk_rope_head_dim % 2:
+        return f"qk_rope_head_dim {qk_rope_head_dim} is not a positive even number"
+    if not isinstance(getattr(rope, "is_neox_style", None), bool):
+        return "rotary embedding has no boolean is_neox_style"
+    cache = getattr(rope, "cos_sin_cache", None)
+    if not isinstance(cache, torch.Tensor) or cache.dim() != 2 or cache.shape[1] != rotary_dim:
+        return "rotary embedding has no [max_position, rotary_dim] cos_sin_cache"
+    if cache.dtype not in (torch.float32, act_dtype):
+        return f"cos_sin_cache dtype {cache.dtype} is neither float32 nor the model dtype {act_dtype}"
+    return None
+
+
+def layer_reason(wrapper: torch.nn.Module, vllm_config: VllmConfig) -> str | None:
+    """Why ``wrapper`` (a constructed MultiHeadLatentAttentionWrapper) must keep vLLM's path, or None."""
+    attn = wrapper.mla_attn
+    if type(attn) is not MLAAttention:
+        return f"attention layer is {type(attn).__name__}, not MLAAttention"
+    if wrapper.is_sparse or wrapper.indexer is not None:
+        return "sparse MLA (indexer / top-k attention)"
+    if wrapper.dcp_q_replicate:
+        return "DCP query replication"
+    impl = attn.impl
+    if getattr(impl, "dcp_world_size", 1) != 1 or attn.dcp_manager is not None:
+        return "decode context parallelism"
+    if attn.use_pcp:
+        return "prefill context parallelism"
+    if attn.hisparse_cache is not None:
+        return "HiSparse KV cache"
+    if attn.use_direct_call:
+        return "platform without an opaque attention op"
+    act_dtype = vllm_config.model_config.dtype if vllm_config.model_config else torch.get_default_dtype()
+    if act_dtype not in fp8.ACTIVATION_DTYPES:
+        return f"model dtype {act_dtype} is not float16, bfloat16 or float32"
+    reason = rope_reason(wrapper.rotary_emb, wrapper.qk_rope_head_dim, act_dtype)
+    if reason:
+        return reason
+    if attn.kv_cache_dtype not in fp8.KV_CACHE_DTYPES:
+        return f"kv_cache_dtype {attn.kv_cache_dtype!r} is not one of {fp8.KV_CACHE_DTYPES}"
+    # The op writes the standard paged layout [num_blocks, block_size, L + R];
+    # a backend with its own cache update may store something else.
+    update = type(impl).do_kv_cache_update
+    if update not in (MLAAttentionImpl.do_kv_cache_update, _cpu_mla_kv_cache_update()):
+        return f"attention backend {attn.attn_backend.get_name()} has its own KV-cache layout"
+    hf_config = vllm_config.model_config.hf_text_config if vllm_config.model_config else None
+    if getattr(hf_config, "llama_4_scaling", None):
+        # vLLM scales q after RoPE; the fused op rotates inside the attention step.
+        return "llama_4_scaling"
+    return None
+
+
+def decode_reason(attn: MLAAttention, vllm_config: VllmConfig) -> str | None:
+    """Why the decode query assembly stays vLLM's (fused op 1 over the whole batch), or None."""
+    if not env_enabled(ENV_DECODE):
+        return f"{ENV_DECODE}=0"
+    pass_config = vllm_config.compilation_config.pass_config
+    if getattr(pass_config, "fuse_attn_quant", False):
+        # That pass pattern-matches vLLM's attention op, which decode mode replaces.
+        return "attention + output-quant fusion (fuse_attn_quant) is on"
+    if attn.q_pad_num_heads is not None:
+        return "the attention backend pads query heads"
+    if attn.is_aiter_triton_fp4_bmm_enabled or attn.is_aiter_triton_fp8_bmm_enabled or attn.is_amx_bmm_enabled:
+        return "the W_UK absorption is a quantized/packed BMM"
+    if not callable(getattr(attn.impl, "forward_mqa", None)):
+        return "the attention backend has no forward_mqa"
+    if not isinstance(getattr(attn, "_decode_concat_quant_fp8_op", None), torch.nn.Module):
+        return "MLAAttention has no decode concat-quant module"
+    return None
+
+
+def load_backend(device: torch.device, decode: bool) -> str:
+    """Name of the backend the ops will use on ``device``, its module imported.
+
+    Raises (RuntimeError, ValueError, ImportError) when the requested or
+    automatic backend cannot run there: the caller falls back with a warning,
+    since a backend named in VLLM_MLA_FUSION_BACKEND that cannot run is a
+    configuration error the user should see.
+    """
+    name = dispatch.resolve(None, device, decode=decode)
+    dispatch.load(name)
+    return name

@@ -1,0 +1,170 @@
+"""The out-of-tree MultiHeadLatentAttentionWrapper that vLLM builds once the plugin is registered.
+
+vLLM 0.33's wrapper forward (vllm/model_executor/layers/mla.py) runs, per layer:
+
+1. the q/kv down projections, the q/kv RMSNorms and the q up projection;
+2. RoPE on ``q[..., qk_nope_head_dim:]`` and ``k_pe``;
+3. ``MLAAttention.forward``: ``unified_mla_kv_cache_update`` writes
+   ``[kv_c_normed | k_pe]``, then ``unified_mla_attention_with_output``;
+4. ``o_proj``.
+
+A fused layer keeps 1 and 4, and replaces 2 and the cache write of 3 with one
+call of this project's op per layer and step. Which op, and where, depends
+on the layer's mode, chosen once at construction:
+
+- ``decode`` (default): one op, ``mla_fusion_vllm::mla_attention_with_output``,
+  carries ``positions`` into the attention step, where prefill tokens get
+  ``mla_rope_cache_write`` and the decode tokens' query is assembled by
+  ``mla_decode_rope_cache_write`` (attention.py).
+- ``rope_cache``: ``mla_fusion_vllm::rope_kv_cache_update`` (op 1 over the
+  whole batch, inside the compiled graph), then vLLM's own attention op, whose
+  decode path concatenates the query itself. Used when the decode part of
+  vLLM's attention is one the plugin does not handle (eligibility.decode_reason)
+  or ``VLLM_MLA_FUSION_DECODE=0``.
+
+Layers the fused ops cannot serve (eligibility.layer_reason) keep vLLM's
+forward unchanged; the reason is logged at debug level.
+
+vLLM 0.33's forward has no seam between stage 1 and stage 2, and its
+attention call cannot carry ``positions``, so a fused layer restates stage 1
+in ``_project`` (only the dense configurations eligibility admits: no DCP
+query replication, no sparse indexer) and calls the attention ops itself.
+The layer tests compare the whole forward against vLLM's, which catches drift.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.logger import init_logger
+from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
+from vllm.models.common.ops import fused_q_kv_rmsnorm
+from vllm.utils.torch_utils import _encode_layer_name
+
+from . import eligibility
+
+logger = init_logger("vllm.vllm_mla_fusion.layer")
+
+MODE_DECODE = "decode"
+MODE_ROPE_CACHE = "rope_cache"
+VLLM_ATTENTION_OP = "vllm::unified_mla_attention_with_output"
+
+
+class FusedMultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
+    """MultiHeadLatentAttentionWrapper with the fused RoPE + KV-cache write where eligible.
+
+    ``fusion_mode`` is None (vLLM's forward), ``"rope_cache"`` or ``"decode"``.
+    """
+
+    fusion_mode: str | None
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fusion_mode = None
+        vllm_config = get_current_vllm_config()
+        try:
+            reason = eligibility.layer_reason(self, vllm_config)
+            if reason is not None:
+                logger.debug("vllm-mla-fusion: %s keeps vLLM's MLA path: %s", self.prefix, reason)
+                return
+            decode_reason = eligibility.decode_reason(self.mla_attn, vllm_config)
+            backend = eligibility.load_backend(self.rotary_emb.cos_sin_cache.device, decode=decode_reason is None)
+            if decode_reason is None:
+                self._setup_decode_mode(vllm_config)
+            else:
+                logger.debug(
+                    "vllm-mla-fusion: %s assembles the decode query the vLLM way: %s", self.prefix, decode_reason
+                )
+                self._setup_rope_cache_mode()
+        except Exception as e:  # noqa: BLE001 - any setup failure means vLLM's path, never a half-fused layer
+            self.fusion_mode = None
+            logger.warning_once(
+                "vllm-mla-fusion: setting up the fused MLA path failed (%s: %s); layers fall back to vLLM's path",
+                type(e).__name__,
+                str(e),  # warning_once dedups on its arguments: exception objects never compare equal
+            )
+            logger.debug("vllm-mla-fusion: setup failure in %s", self.prefix, exc_info=True)
+            return
+        logger.info_once(
+            "vllm-mla-fusion: MLA layers use the fused RoPE + KV-cache write (backend %s, mode %s)",
+            backend,
+            self.fusion_mode,
+        )
+
+    def _setup_rope_cache_mode(self) -> None:
+        from . import custom_ops  # noqa: F401 - registers torch.ops.mla_fusion_vllm.*
+
+        self.fusion_mode = MODE_ROPE_CACHE
+
+    def _setup_decode_mode(self, vllm_config) -> None:
+        from . import custom_ops
+        from .attention import FusedMLAAttention
+
+        # The attention op must be split out of piecewise CUDA graphs wherever
+        # vLLM splits its own (it reads per-step metadata on the host).
+        splitting = vllm_config.compilation_config.splitting_ops
+        if splitting is not None and VLLM_ATTENTION_OP in splitting and custom_ops.ATTENTION_OP not in splitting:
+            splitting.append(custom_ops.ATTENTION_OP)
+        FusedMLAAttention.promote(self.mla_attn)
+        self.fusion_mode = MODE_DECODE
+
+    def _project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Stage 1 of vLLM's forward: ``(q [T, H, P + R], kv_c_normed [T, L], k_pe [T, 1, R])``, un-rotated."""
+        if self.q_lora_rank is not None:
+            qkv_lora = self.fused_qkv_a_proj(hidden_states)[0]
+            q_c, kv_lora = qkv_lora.split([self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1)
+            q_proj, q_input = self.q_b_proj, q_c
+        else:
+            kv_lora = self.kv_a_proj_with_mqa(hidden_states)[0]
+            q_proj, q_input = self.q_proj, hidden_states
+        kv_c, k_pe = kv_lora.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        if self.q_lora_rank is not None and self.fuse_qkv_rmsnorm:
+            q_input, kv_c_normed = fused_q_kv_rmsnorm(
+                q_input,
+                kv_c,
+                self.q_a_layernorm.weight.data,
+                self.kv_a_layernorm.weight.data,
+                self.q_a_layernorm.variance_epsilon,
+            )
+        else:
+            if self.q_lora_rank is not None:
+                q_input = self.q_a_layernorm(q_input)
+            kv_c_normed = self.kv_a_layernorm(kv_c)
+        q = q_proj(q_input)[0].view(-1, self.num_heads, self.qk_head_dim)
+        return q, kv_c_normed, k_pe.unsqueeze(1)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        llama_4_scaling: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.fusion_mode is None:
+            return super().forward(positions, hidden_states, llama_4_scaling)
+        if llama_4_scaling is not None:
+            # Eligibility excludes models whose config sets llama_4_scaling; a
+            # caller passing it anyway would get different math, not a fallback.
+            raise ValueError(
+                f"vllm-mla-fusion: {self.prefix} was built for the fused path but received llama_4_scaling; "
+                "set VLLM_MLA_FUSION=0 for this model"
+            )
+        q, kv_c_normed, k_pe = self._project(hidden_states)
+        rope = self.rotary_emb
+        layer_name = _encode_layer_name(self.mla_attn.layer_name)
+        output = torch.empty((hidden_states.shape[0], self.num_heads * self.v_head_dim), dtype=q.dtype, device=q.device)
+        if self.fusion_mode == MODE_DECODE:
+            torch.ops.mla_fusion_vllm.mla_attention_with_output(
+                q, kv_c_normed, k_pe, positions, rope.cos_sin_cache, rope.is_neox_style, output, layer_name
+            )
+        else:
+            attn = self.mla_attn
+            dep = torch.ops.mla_fusion_vllm.rope_kv_cache_update(
+                positions, q, k_pe, kv_c_normed, rope.cos_sin_cache, rope.is_neox_style, layer_name,
+                attn.kv_cache_dtype, attn._k_scale,
+            )  # fmt: skip
+            torch.ops.vllm.unified_mla_attention_with_output(
+                q, kv_c_normed, k_pe, output, layer_name, kv_cache_dummy_dep=dep
+            )
+        if self.g_proj is not None:
+            output = output * self.g_proj(hidden_states)[0].sigmoid()
+        return self.o_proj(output)[0]
