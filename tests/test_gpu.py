@@ -194,3 +194,42 @@ def test_native_fp8_store_saturates(q_dtype):
     case.ql_nope[0, 0, :4] = 0
     case.q_out[0, 0, :4] = 0
     check_decode_rope_cache_write(case)  # saturated cache rows included
+
+
+def test_torch_compile_with_cuda_graphs():
+    """Inductor + CUDA graphs ("reduce-overhead"), fullgraph: both ops inside one compiled step
+    that slices its inputs the way vLLM's MLA forward does; replays match eager calls."""
+    torch._dynamo.reset()
+    T, H, L, R, nope = 24, 16, 512, 64, 128
+
+    def step(q, kv_a, ql_nope, positions, cos_sin_cache, slot_mapping, kv_cache, q_out, scale):
+        kv_c, k_pe = kv_a.split([L, R], dim=-1)
+        kv_c = kv_c * 1.0
+        n = T // 2  # decode tokens first, then prefill tokens
+        mla.mla_decode_rope_cache_write(positions[:n], ql_nope[:n], q[:n, :, nope:], k_pe[:n], kv_c[:n],
+                                        cos_sin_cache, False, slot_mapping[:n], kv_cache, q_out[:n], "fp8", scale,
+                                        scale)  # fmt: skip
+        mla.mla_rope_cache_write(positions[n:], q[n:, :, nope:], k_pe[n:], kv_c[n:], cos_sin_cache, False,
+                                 slot_mapping[n:], kv_cache, "fp8", scale)  # fmt: skip
+
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def inputs(seed):
+        g = gen.manual_seed(seed)
+        mk = lambda *s: torch.randn(*s, generator=g).to("cuda", torch.bfloat16)  # noqa: E731
+        nb = 4
+        return [mk(T, H, nope + R), mk(T, L + R), mk(T, H, L), torch.randint(0, 4096, (T,), generator=g).cuda(),
+                torch.randn(4096, R, generator=g).cuda(), torch.randperm(nb * 64, generator=g)[:T].cuda(),
+                torch.zeros(nb, 64, L + R, dtype=torch.uint8, device="cuda"),
+                torch.zeros(T, H, L + R, dtype=torch.float8_e4m3fn, device="cuda"),
+                torch.tensor([0.3], device="cuda")]  # fmt: skip
+
+    for seed in range(4):
+        eager_args, compiled_args = inputs(seed), inputs(seed)
+        step(*eager_args)
+        compiled(*compiled_args)
+        torch.cuda.synchronize()
+        for a, b in zip(eager_args, compiled_args):  # q rotated in place, the cache and q_out written
+            assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a, b.view(torch.uint8)
+                               if b.dtype.itemsize == 1 else b)  # fmt: skip
