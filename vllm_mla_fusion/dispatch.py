@@ -80,14 +80,14 @@ def resolve(backend: str | None, device: torch.device, decode: bool, problem=Non
         if reason:
             raise RuntimeError(f"backend 'aiter' was requested but cannot run: {reason}")
         # AITER covers some cases only (docs/rocm.md); the rest take our Triton kernel.
-        return "aiter" if aiter_backend.applies(decode, problem) else "triton"
+        return "aiter" if aiter_backend.applies(decode, problem, device) else "triton"
     # auto
     if device.type != "cuda":
         return "torch"
     if torch.version.hip is not None and _env_flag("VLLM_ROCM_USE_AITER"):
         from .backends import aiter as aiter_backend
 
-        if aiter_backend.unavailable_reason(device) is None and aiter_backend.applies(decode, problem):
+        if aiter_backend.unavailable_reason(device) is None and aiter_backend.applies(decode, problem, device):
             return "aiter"
     return "triton"
 
