@@ -85,7 +85,7 @@ def _load_scale(scale_ptr, HAS_SCALE: tl.constexpr):
     """(scale, 1/scale) of an fp8 output, loaded once per program; (1, 1) without a scale."""
     if HAS_SCALE:
         scale = tl.load(scale_ptr)
-        inv = tl.math.div_rn(1.0, scale)
+        inv = tl.fdiv(1.0, scale, ieee_rounding=True)  # correctly rounded on every target (libdevice-free)
     else:
         scale = 1.0
         inv = 1.0
@@ -347,10 +347,13 @@ def _native_fp8_ok(device: torch.device, dtype: torch.dtype) -> bool:
         return False  # interpreter: its fp8 rounding is wrong, encode the bits ourselves
     if torch.version.hip is not None:
         arch = torch.cuda.get_device_properties(device).gcnArchName
-        # gfx942 has the fnuz types natively, gfx950 the OCP (fn) ones.
-        if dtype == torch.float8_e4m3fnuz:
-            return arch.startswith("gfx94")
-        return not arch.startswith("gfx94") or dtype == torch.float8_e5m2
+        # gfx942 (MI300) converts to the fnuz types in hardware, gfx950 (MI350) to the OCP ones;
+        # anything else takes the bit encoder, which is plain integer arithmetic.
+        if arch.startswith("gfx94"):
+            return dtype == torch.float8_e4m3fnuz
+        if arch.startswith("gfx95"):
+            return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        return False
     # NVIDIA: e4m3fn and e5m2 convert natively from sm_89 on; no e4m3fnuz.
     return dtype != torch.float8_e4m3fnuz and torch.cuda.get_device_capability(device) >= (8, 9)
 
