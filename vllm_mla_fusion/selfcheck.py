@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                     ok = err <= (0.13 if fp8 else 1.6e-2)  # two roundings: backends may fuse multiply-adds differently
                     failures += not ok
                     # Re-running on the same inputs rotates q_pe again: fine for timing.
-                    us = _time(lambda: _call(op, x, backend), device, repeats)
+                    us = _time(lambda op=op, x=x, backend=backend: _call(op, x, backend), device, repeats)
                     row += f"{us:>14.1f}{err:>11.1e}{' ' if ok else '!'}"
                 print(row, flush=True)
     print("timings: median wall time per eager call (host overhead included; see benchmarks/ for GPU timings).")
