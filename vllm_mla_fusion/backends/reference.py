@@ -69,22 +69,8 @@ def rope_cache_write(
     k_pe.copy_(k_rot.to(k_pe.dtype).view(k_pe.shape))
 
 
-def decode_rope_cache_write(
-    p: Problem,
-    positions,
-    ql_nope,
-    q_pe,
-    k_pe,
-    kv_c,
-    cos_sin_cache,
-    is_neox,
-    slot_mapping,
-    kv_cache,
-    q_out,
-    kv_cache_scale,
-    q_scale,
-    is_nope_first,
-) -> None:
+def decode_rope_cache_write(p: Problem, positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping,
+                            kv_cache, q_out, kv_cache_scale, q_scale, is_nope_first) -> None:  # fmt: skip
     cos, sin = _cos_sin(p, positions, cos_sin_cache)
     q_rot = rotate(q_pe.float(), cos[:, None], sin[:, None], is_neox)
     k_rot = rotate(k_pe.reshape(p.num_tokens, p.rope_dim).float(), cos, sin, is_neox)

@@ -466,21 +466,7 @@ def rope_cache_write(
     _launch(p, False, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_scale)
 
 
-def decode_rope_cache_write(
-    p: Problem,
-    positions,
-    ql_nope,
-    q_pe,
-    k_pe,
-    kv_c,
-    cos_sin_cache,
-    is_neox,
-    slot_mapping,
-    kv_cache,
-    q_out,
-    kv_cache_scale,
-    q_scale,
-    is_nope_first,
-) -> None:
+def decode_rope_cache_write(p: Problem, positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping,
+                            kv_cache, q_out, kv_cache_scale, q_scale, is_nope_first) -> None:  # fmt: skip
     _launch(p, True, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_scale,
             ql_nope=ql_nope, q_out=q_out, q_scale=q_scale, is_nope_first=is_nope_first)  # fmt: skip
