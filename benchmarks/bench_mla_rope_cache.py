@@ -386,15 +386,11 @@ class Impls:
             import torch_variants
 
             fn = torch_variants.compiled(cfg.op, enabled=not self.args.smoke)
-            fmax = float(torch.finfo(self.fp8_dtype).max)
-            cache_max = fmax if cfg.cache == "fp8" else 0.0
             if cfg.op == "prefill":
                 return lambda: fn(v.positions, v.q_pe, v.k_pe, v.kv_c, v.cos_sin_cache, neox, v.slot_mapping,
-                                  v.flat_cache, v.store_dtype, v.kv_cache_scale, cache_max)  # fmt: skip
-            q_max = fmax if cfg.q_out == "fp8" else 0.0
+                                  v.flat_cache, v.store_dtype, v.kv_cache_scale)  # fmt: skip
             return lambda: fn(v.positions, v.ql_nope, v.q_pe, v.k_pe, v.kv_c, v.cos_sin_cache, neox, v.slot_mapping,
-                              v.flat_cache, v.store_dtype, v.q_out, v.kv_cache_scale, v.q_scale, cache_max,
-                              q_max)  # fmt: skip
+                              v.flat_cache, v.store_dtype, v.q_out, v.kv_cache_scale, v.q_scale)  # fmt: skip
 
         import peers
 

@@ -108,21 +108,31 @@ def cuda_graph_time(
     return _summary(per_call, n_calls, "cuda_graph", first_ms)
 
 
+def _event_times_ms(run, repeats: int, device: torch.device) -> list[float]:
+    """CUDA-event time of ``run()`` (enqueued work included), ``repeats`` times, in ms."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end))
+    return times
+
+
 def eager_event_time(call: Call, n_calls: int, repeats: int, device: torch.device, warmup_calls: int = 2) -> Timing:
     """Events around an eager loop of ``n_calls`` calls (host overhead and syncs included)."""
     first_ms = _first_call_ms(call, device)
     for i in range(1, max(1, warmup_calls)):
         call(i)
     torch.cuda.synchronize(device)
-    per_call = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def loop():
         for i in range(n_calls):
             call(i)
-        end.record()
-        torch.cuda.synchronize(device)
-        per_call.append(start.elapsed_time(end) * 1e3 / n_calls)
+
+    per_call = [ms * 1e3 / n_calls for ms in _event_times_ms(loop, repeats, device)]
     return _summary(per_call, n_calls, "eager_events", first_ms)
 
 
@@ -193,15 +203,12 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 7
     moved = 2 * n * 2  # read + write
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+
+        def copy_loop():
             for _ in range(copies):
                 dst.copy_(src)
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end) * 1e-3 / copies)
+
+        times = [ms * 1e-3 / copies for ms in _event_times_ms(copy_loop, repeats, device)]
         method = "cuda_events"
     else:
         times = []

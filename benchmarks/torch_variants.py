@@ -18,66 +18,44 @@ from __future__ import annotations
 
 import torch
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    if is_neox:
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+# The math is the package reference's (rotation, position clamping, fp8 rounding); only the
+# write differs, so that nothing synchronizes. (The benchmark puts the repo root on sys.path.)
+from vllm_mla_fusion.backends.reference import cos_sin, rotate
+from vllm_mla_fusion.fp8 import is_fp8, round_for_store
 
 
-def _quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None, fp8_max: float) -> torch.Tensor:
-    if fp8_max:
-        if scale is not None:
-            x = x / scale
-        return x.clamp(-fp8_max, fp8_max).to(dtype)
-    return x.to(dtype)
-
-
-def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor, T: int):
-    pos = positions[:T].long().clamp(0, cos_sin_cache.shape[0] - 1)
-    cs = cos_sin_cache.index_select(0, pos).float()
-    half = cs.shape[-1] // 2
-    return cs[:, :half], cs[:, half:]
-
-
-def _write_rows(rows: torch.Tensor, slot_mapping: torch.Tensor, flat_cache: torch.Tensor, store_dtype: torch.dtype,
-                scale: torch.Tensor | None, fp8_max: float) -> None:  # fmt: skip
-    T = rows.shape[0]
+def _rotate_and_write_rows(positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, flat_cache,
+                           store_dtype, scale) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Both ops' shared part: float32 ``(q_rot, k_rot)``, and every token's cache row written."""
+    T = q_pe.shape[0]
+    cos, sin = cos_sin(positions, cos_sin_cache, T)
+    q_rot = rotate(q_pe.float(), cos[:, None], sin[:, None], is_neox)
+    k_rot = rotate(k_pe.float(), cos, sin, is_neox)
     slots = slot_mapping[:T].long()
     slots = torch.where(slots >= 0, slots, flat_cache.shape[0] - 1)  # padding -> scratch row
-    q = _quantize(rows, store_dtype, scale, fp8_max)
-    if fp8_max:
-        q = q.view(torch.uint8)  # flat_cache is the uint8 storage
-    flat_cache.index_copy_(0, slots, q)
+    rows = round_for_store(torch.cat((kv_c.float(), k_rot), dim=-1), store_dtype, scale)
+    if is_fp8(store_dtype):
+        rows = rows.view(torch.uint8)  # flat_cache is the uint8 storage
+    flat_cache.index_copy_(0, slots, rows)
+    return q_rot, k_rot
 
 
 def rope_cache_write(positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox: bool, slot_mapping, flat_cache,
-                     store_dtype: torch.dtype, kv_cache_scale=None, fp8_max: float = 0.0) -> None:  # fmt: skip
+                     store_dtype: torch.dtype, kv_cache_scale=None) -> None:  # fmt: skip
     """Op 1: rotate ``q_pe``/``k_pe`` in place; ``flat_cache`` [rows + scratch, L+R] (uint8 storage for fp8)."""
-    T = q_pe.shape[0]
-    cos, sin = _cos_sin(positions, cos_sin_cache, T)
-    q_rot = _rotate(q_pe.float(), cos[:, None], sin[:, None], is_neox)
-    k_rot = _rotate(k_pe.float(), cos, sin, is_neox)
-    _write_rows(torch.cat((kv_c.float(), k_rot), dim=-1), slot_mapping, flat_cache, store_dtype, kv_cache_scale,
-                fp8_max)  # fmt: skip
+    q_rot, k_rot = _rotate_and_write_rows(positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping,
+                                          flat_cache, store_dtype, kv_cache_scale)  # fmt: skip
     q_pe.copy_(q_rot.to(q_pe.dtype))
     k_pe.copy_(k_rot.to(k_pe.dtype))
 
 
 def decode_rope_cache_write(positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox: bool, slot_mapping,
-                            flat_cache, store_dtype: torch.dtype, q_out, kv_cache_scale=None, q_scale=None,
-                            fp8_max: float = 0.0, q_fp8_max: float = 0.0) -> None:  # fmt: skip
+                            flat_cache, store_dtype: torch.dtype, q_out, kv_cache_scale=None,
+                            q_scale=None) -> None:  # fmt: skip
     """Op 2 (nope first): ``q_out = [ql_nope | rope(q_pe)]`` and the cache write; q_pe/k_pe untouched."""
-    T = q_pe.shape[0]
-    cos, sin = _cos_sin(positions, cos_sin_cache, T)
-    q_rot = _rotate(q_pe.float(), cos[:, None], sin[:, None], is_neox)
-    k_rot = _rotate(k_pe.float(), cos, sin, is_neox)
-    _write_rows(torch.cat((kv_c.float(), k_rot), dim=-1), slot_mapping, flat_cache, store_dtype, kv_cache_scale,
-                fp8_max)  # fmt: skip
-    q_out.copy_(_quantize(torch.cat((ql_nope.float(), q_rot), dim=-1), q_out.dtype, q_scale, q_fp8_max))
+    q_rot, _ = _rotate_and_write_rows(positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping,
+                                      flat_cache, store_dtype, kv_cache_scale)  # fmt: skip
+    q_out.copy_(round_for_store(torch.cat((ql_nope.float(), q_rot), dim=-1), q_out.dtype, q_scale))
 
 
 _compiled: dict = {}

@@ -14,6 +14,7 @@ silent fallback). ``triton`` runs CPU tensors only in Triton's interpreter
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from types import ModuleType
@@ -32,6 +33,7 @@ def triton_interpreting() -> bool:
     return _env_flag("TRITON_INTERPRET")
 
 
+@functools.cache
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 

@@ -98,3 +98,8 @@ def saturate_to_fp8(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dt
         x = x / scale.to(x.dtype)
     fmax = torch.finfo(dtype).max
     return x.clamp(-fmax, fmax).to(dtype)
+
+
+def round_for_store(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """float32 ``x`` as stored in a ``dtype`` output: a plain cast, or for fp8 ``saturate(x / scale)``."""
+    return saturate_to_fp8(x, scale, dtype) if is_fp8(dtype) else x.to(dtype)

@@ -657,22 +657,8 @@ def rope_cache_write(
     )
 
 
-def decode_rope_cache_write(
-    p: Problem,
-    positions,
-    ql_nope,
-    q_pe,
-    k_pe,
-    kv_c,
-    cos_sin_cache,
-    is_neox,
-    slot_mapping,
-    kv_cache,
-    q_out,
-    kv_cache_scale,
-    q_scale,
-    is_nope_first,
-) -> None:
+def decode_rope_cache_write(p: Problem, positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping,
+                            kv_cache, q_out, kv_cache_scale, q_scale, is_nope_first) -> None:  # fmt: skip
     """Op 2 through AITER's HIP kernel, or through Triton when the tensors rule AITER out."""
     device = q_pe.device
     reason = call_decline_reason(

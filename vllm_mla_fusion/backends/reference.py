@@ -27,53 +27,46 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool)
     return torch.stack((o1, o2), dim=-1).flatten(-2)
 
 
-def _cos_sin(p: Problem, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``(cos, sin)`` ``[T, R/2]`` of the first ``num_tokens`` positions."""
     # Out-of-range positions are clamped (documented behaviour), never read out of bounds.
-    pos = positions[: p.num_tokens].long().clamp(0, cos_sin_cache.shape[0] - 1)
+    pos = positions[:num_tokens].long().clamp(0, cos_sin_cache.shape[0] - 1)
     cs = cos_sin_cache.index_select(0, pos).float()
-    half = p.rope_dim // 2
+    half = cs.shape[-1] // 2
     return cs[:, :half], cs[:, half:]
 
 
-def _store(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
-    if fp8.is_fp8(dtype):
-        return fp8.saturate_to_fp8(x, scale, dtype)
-    return x.to(dtype)
-
-
-def _write_cache(
-    p: Problem,
-    kv_c: torch.Tensor,
-    k_rot: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache: torch.Tensor,
-    kv_cache_scale: torch.Tensor | None,
-) -> None:
+def _rotate_and_write_cache(
+    p: Problem, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_scale
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What both ops share: rotate q_pe and k_pe (float32, not stored) and write the cache rows."""
+    cos, sin = cos_sin(positions, cos_sin_cache, p.num_tokens)
+    q_rot = rotate(q_pe.float(), cos[:, None], sin[:, None], is_neox)
+    k_rot = rotate(k_pe.reshape(p.num_tokens, p.rope_dim).float(), cos, sin, is_neox)
     cache = fp8.typed_view(kv_cache, p.cache_dtype)
     slots = slot_mapping[: p.num_tokens].long()
     keep = slots >= 0
     rows = torch.cat((kv_c.reshape(p.num_tokens, p.kv_lora_rank).float(), k_rot), dim=-1)[keep]
     slots = slots[keep]
     block_size = cache.shape[1]
-    cache[slots // block_size, slots % block_size] = _store(rows, p.cache_dtype, kv_cache_scale)
+    cache[slots // block_size, slots % block_size] = fp8.round_for_store(rows, p.cache_dtype, kv_cache_scale)
+    return q_rot, k_rot
 
 
 def rope_cache_write(
     p: Problem, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_scale
 ) -> None:
-    cos, sin = _cos_sin(p, positions, cos_sin_cache)
-    q_rot = rotate(q_pe.float(), cos[:, None], sin[:, None], is_neox)
-    k_rot = rotate(k_pe.reshape(p.num_tokens, p.rope_dim).float(), cos, sin, is_neox)
-    _write_cache(p, kv_c, k_rot, slot_mapping, kv_cache, kv_cache_scale)
+    q_rot, k_rot = _rotate_and_write_cache(
+        p, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_scale
+    )
     q_pe.copy_(q_rot.to(q_pe.dtype))
     k_pe.copy_(k_rot.to(k_pe.dtype).view(k_pe.shape))
 
 
 def decode_rope_cache_write(p: Problem, positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping,
                             kv_cache, q_out, kv_cache_scale, q_scale, is_nope_first) -> None:  # fmt: skip
-    cos, sin = _cos_sin(p, positions, cos_sin_cache)
-    q_rot = rotate(q_pe.float(), cos[:, None], sin[:, None], is_neox)
-    k_rot = rotate(k_pe.reshape(p.num_tokens, p.rope_dim).float(), cos, sin, is_neox)
-    _write_cache(p, kv_c, k_rot, slot_mapping, kv_cache, kv_cache_scale)
+    q_rot, _ = _rotate_and_write_cache(
+        p, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_scale
+    )
     parts = (ql_nope.float(), q_rot) if is_nope_first else (q_rot, ql_nope.float())
-    q_out.copy_(_store(torch.cat(parts, dim=-1), q_out.dtype, q_scale))
+    q_out.copy_(fp8.round_for_store(torch.cat(parts, dim=-1), q_out.dtype, q_scale))
