@@ -218,7 +218,6 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 7
             times.append(time.perf_counter() - t0)
         method = "cpu_wall (meaningless)"
     sec = statistics.median(times)
-    del src, dst
     return {"bytes_moved": moved, "us": sec * 1e6, "bytes_per_s": moved / sec, "TBps": moved / sec / 1e12,
             "method": method}  # fmt: skip
 
