@@ -45,10 +45,11 @@ def _rotate_and_write_cache(
     k_rot = rotate(k_pe.reshape(p.num_tokens, p.rope_dim).float(), cos, sin, is_neox)
     cache = fp8.typed_view(kv_cache, p.cache_dtype)
     slots = slot_mapping[: p.num_tokens].long()
-    keep = slots >= 0
+    block_size = cache.shape[1]
+    # Padding (< 0) and slots past the cache's capacity write nothing.
+    keep = (slots >= 0) & (slots < cache.shape[0] * block_size)
     rows = torch.cat((kv_c.reshape(p.num_tokens, p.kv_lora_rank).float(), k_rot), dim=-1)[keep]
     slots = slots[keep]
-    block_size = cache.shape[1]
     cache[slots // block_size, slots % block_size] = fp8.round_for_store(rows, p.cache_dtype, kv_cache_scale)
     return q_rot, k_rot
 

@@ -184,6 +184,7 @@ def _mla_rope_cache_kernel(
     num_tokens,
     max_pos,
     block_size,
+    num_slots,  # num_blocks * block_size: slots at or past it write nothing
     n_cache_programs,
     # strides (elements)
     stride_cs_p, stride_cs_r,
@@ -220,7 +221,7 @@ def _mla_rope_cache_kernel(
     # different shapes) never meet in one scope.
     if pid < n_cache_programs:
         _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr,
-                       num_tokens, max_pos, block_size, stride_cs_p, stride_cs_r, stride_k_t, stride_k_r,
+                       num_tokens, max_pos, block_size, num_slots, stride_cs_p, stride_cs_r, stride_k_t, stride_k_r,
                        stride_c_t, stride_c_l, stride_kv_b, stride_kv_s, stride_kv_d,
                        L, R, IS_NEOX, DECODE, CACHE_MODE, CACHE_HAS_SCALE, CACHE_FP8_MAX, CACHE_BIAS, CACHE_MAN,
                        CACHE_SIGNED_ZERO, CACHE_NAN, BLOCK_T, BLOCK_L, BLOCK_R2)  # fmt: skip
@@ -234,14 +235,16 @@ def _mla_rope_cache_kernel(
 
 @triton.jit
 def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr,
-                   num_tokens, max_pos, block_size, stride_cs_p, stride_cs_r, stride_k_t, stride_k_r,
+                   num_tokens, max_pos, block_size, num_slots, stride_cs_p, stride_cs_r, stride_k_t, stride_k_r,
                    stride_c_t, stride_c_l, stride_kv_b, stride_kv_s, stride_kv_d,
                    L: tl.constexpr, R: tl.constexpr, IS_NEOX: tl.constexpr, DECODE: tl.constexpr,
                    CACHE_MODE: tl.constexpr, CACHE_HAS_SCALE: tl.constexpr, CACHE_FP8_MAX: tl.constexpr,
                    CACHE_BIAS: tl.constexpr, CACHE_MAN: tl.constexpr, CACHE_SIGNED_ZERO: tl.constexpr,
                    CACHE_NAN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr,
                    BLOCK_R2: tl.constexpr):  # fmt: skip
-    """BLOCK_T tokens: rotate k_pe (in place for op 1), write [kv_c | rope(k_pe)] unless slot < 0.
+    """BLOCK_T tokens: rotate k_pe (in place for op 1), write [kv_c | rope(k_pe)] at each slot in
+    [0, num_slots). A slot past the cache (a scheduler or connector bug, a stale mapping under
+    graph padding) costs its row, never a write into whatever memory follows the cache.
 
     Every load that does not depend on the position is issued before any store: the
     compiler may not move a load above a store that could alias it, and on small batches
@@ -263,7 +266,7 @@ def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cach
     if not DECODE:
         _store_rotated(k_pe_ptr, k_off, k1.to(k_pe_ptr.dtype.element_ty), k2.to(k_pe_ptr.dtype.element_ty),
                        t_mask, IS_NEOX, R, BLOCK_R2, stride_k_r, BLOCK_T)  # fmt: skip
-    write = t_mask & (slot >= 0)
+    write = t_mask & (slot >= 0) & (slot < num_slots)
     slot = tl.maximum(slot, 0)
     row = (slot // block_size) * stride_kv_b + (slot % block_size) * stride_kv_s
     k1 = _round_for_store(k1, scale, inv_scale, cache_ptr, CACHE_MODE, CACHE_HAS_SCALE, CACHE_FP8_MAX,
@@ -445,7 +448,7 @@ def _launch(p: Problem, decode: bool, positions, q_pe, k_pe, kv_c, cos_sin_cache
             positions, slot_mapping, cos_sin_cache, q_pe, k_pe2, kv_c2, cache,
             kv_cache_scale if kv_cache_scale is not None else dummy,
             ql_nope, qo, q_scale if q_scale is not None else dummy,
-            T, cos_sin_cache.shape[0], kv_cache.shape[1], n_cache,
+            T, cos_sin_cache.shape[0], kv_cache.shape[1], kv_cache.shape[0] * kv_cache.shape[1], n_cache,
             cos_sin_cache.stride(0), cos_sin_cache.stride(1),
             *q_pe.stride(), *k_pe2.stride(), *kv_c2.stride(), *kv_cache.stride(),
             *n_strides, *o_strides,
