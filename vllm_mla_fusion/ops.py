@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from . import dispatch
-from .validation import check_decode_rope_cache_write, check_rope_cache_write
+from .validation import check_decode_rope_cache_write, check_prefill_rope_cache_write, check_rope_cache_write
 
-__all__ = ["mla_rope_cache_write", "mla_decode_rope_cache_write"]
+__all__ = ["mla_rope_cache_write", "mla_decode_rope_cache_write", "mla_prefill_rope_cache_write"]
 
 
 @torch.library.custom_op("mla_fusion::mla_rope_cache_write", mutates_args=("q_pe", "k_pe", "kv_cache"))
@@ -88,6 +88,46 @@ def _(positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping
     check_decode_rope_cache_write(
         positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, q_out,
         kv_cache_dtype, kv_cache_scale, q_scale, is_nope_first,
+    )  # fmt: skip
+    dispatch.requested_backend(backend)
+
+
+@torch.library.custom_op(
+    "mla_fusion::mla_prefill_rope_cache_write", mutates_args=("q_pe", "k_pe", "kv_cache", "k_out")
+)
+def _mla_prefill_rope_cache_write_op(
+    positions: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_nope: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    k_out: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    kv_cache_scale: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> None:
+    p = check_prefill_rope_cache_write(
+        positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping, kv_cache, k_out,
+        kv_cache_dtype, kv_cache_scale,
+    )  # fmt: skip
+    name = dispatch.resolve(backend, q_pe.device, decode=False, problem=p)
+    if p.num_tokens == 0:
+        return
+    dispatch.load(name).prefill_rope_cache_write(
+        p, positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping, kv_cache, k_out, kv_cache_scale
+    )
+
+
+@_mla_prefill_rope_cache_write_op.register_fake
+def _(positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping, kv_cache, k_out,
+      kv_cache_dtype="auto", kv_cache_scale=None, backend="auto") -> None:  # fmt: skip
+    check_prefill_rope_cache_write(
+        positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping, kv_cache, k_out,
+        kv_cache_dtype, kv_cache_scale,
     )  # fmt: skip
     dispatch.requested_backend(backend)
 
@@ -181,4 +221,51 @@ def mla_decode_rope_cache_write(
     torch.ops.mla_fusion.mla_decode_rope_cache_write(
         positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, q_out,
         kv_cache_dtype, kv_cache_scale, q_scale, is_nope_first, backend or "auto",
+    )  # fmt: skip
+
+
+def mla_prefill_rope_cache_write(
+    positions: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_nope: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    k_out: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    kv_cache_scale: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
+) -> None:
+    """The prefill epilogue of an MLA layer in one kernel launch: RoPE, cache rows and the attention key.
+
+    Everything :func:`mla_rope_cache_write` does (``q_pe`` and ``k_pe`` rotated
+    in place, ``[kv_c | rope(k_pe)]`` written at each valid slot), plus the full
+    key of MHA-style prefill attention, for every token ``t < T`` (padding
+    tokens included):
+
+        ``k_out[t, h, :P] = k_nope[t, h]`` and ``k_out[t, h, P:] = rope(k_pe[t])``.
+
+    Args:
+        k_nope: ``[T, H, P]`` (``P = qk_nope_head_dim``), q_pe's dtype, any
+            strides (vLLM hands over a split view of ``kv_b_proj``'s output). Read only.
+        k_out: ``[T, H, P + R]``, any strides, **written** for every token. Its
+            dtype is q_pe's (the nope part an exact copy) or an fp8 type
+            (``float8_e4m3fn``, ``float8_e4m3fnuz``, ``float8_e5m2``) for fp8
+            prefill attention. fp8 stores ``saturate(x)`` with no scale, as vLLM
+            casts the key without one. Unlike ``tensor.to(fp8)``, which turns a
+            value past the format's largest finite number into NaN (e4m3) or inf
+            (e5m2), the op clamps it to that largest number; NaN stays NaN.
+
+    The other arguments are those of :func:`mla_rope_cache_write`. The rope part
+    of ``k_out`` is the float32 rotation rounded once to ``k_out``'s dtype (for an
+    fp8 key: not rounded through ``k_pe``'s dtype first). The AITER backend has no
+    such op: on ROCm the Triton kernel runs it.
+    """
+    torch.ops.mla_fusion.mla_prefill_rope_cache_write(
+        positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping, kv_cache, k_out,
+        kv_cache_dtype, kv_cache_scale, backend or "auto",
     )  # fmt: skip

@@ -80,6 +80,7 @@ def main(model_dir: str) -> None:
 
     reference.rope_cache_write = counting("fused", reference.rope_cache_write)
     reference.decode_rope_cache_write = counting("fused", reference.decode_rope_cache_write)
+    reference.prefill_rope_cache_write = counting("fused", reference.prefill_rope_cache_write)
     CPUMLAImpl.do_kv_cache_update = counting("vllm_cache_write", CPUMLAImpl.do_kv_cache_update)
 
     llm = LLM(

@@ -90,10 +90,11 @@ class Counter:
         return n
 
 
-# (fused mode, q_lora_rank): DeepSeek-V3 (q_lora_rank 1536) in both modes, and the
-# DeepSeek-V2-Lite layout without a q LoRA (q_proj instead of q_a/q_b projections).
-LAYOUTS = [("decode", 1536), ("rope_cache", 1536), ("decode", None)]
-LAYOUT_IDS = ["decode", "rope_cache", "decode-no-q-lora"]
+# (fused mode, q_lora_rank, prefill key fused): DeepSeek-V3 (q_lora_rank 1536) in both
+# modes, the DeepSeek-V2-Lite layout without a q LoRA (q_proj instead of q_a/q_b
+# projections), and decode mode with vLLM building the prefill key (op 1 + its concat).
+LAYOUTS = [("decode", 1536, True), ("rope_cache", 1536, False), ("decode", None, True), ("decode", 1536, False)]
+LAYOUT_IDS = ["decode", "rope_cache", "decode-no-q-lora", "decode-prefill-key-off"]
 
 
 @pytest.fixture
@@ -101,18 +102,21 @@ def layer_pair(vllm_cpu, plugin_off, monkeypatch, request):
     """(vLLM's layer, the plugin's layer) with the same random weights and canary-filled caches."""
     from vllm_mla_fusion.vllm_plugin import register
 
-    mode, q_lora_rank = request.param
+    mode, q_lora_rank, prefill_key = request.param
     hf_config = copy.copy(vllm_cpu.model_config.hf_config)
     hf_config.q_lora_rank = q_lora_rank
     off = vllm_cpu.build_attention(hf_config)
     state = vllm_cpu.finish_weights(off, seed=0)
     if mode == "rope_cache":
         monkeypatch.setenv("VLLM_MLA_FUSION_DECODE", "0")
+    elif not prefill_key:
+        monkeypatch.setenv("VLLM_MLA_FUSION_PREFILL_KEY", "0")
     register()
     on = vllm_cpu.build_attention(hf_config)
     vllm_cpu.finish_weights(on, state)
     assert type(off.mla_attn).__name__ == "MultiHeadLatentAttentionWrapper"
     assert on.mla_attn.fusion_mode == mode
+    assert getattr(on.mla_attn.mla_attn, "_prefill_key_fused", False) == prefill_key
     assert (on.mla_attn.q_proj is None) == (q_lora_rank is not None)
     for attn in (off, on):
         H.mla_layer(attn)[1].bind_kv_cache(H.new_kv_cache(seed=7))
@@ -123,6 +127,8 @@ def layer_pair(vllm_cpu, plugin_off, monkeypatch, request):
 def test_schedule_matches_vllm(vllm_cpu, layer_pair, monkeypatch):
     off, on = layer_pair
     mode = on.mla_attn.fusion_mode
+    prefill_key = getattr(on.mla_attn.mla_attn, "_prefill_key_fused", False)
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonBaseImpl
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
 
     from vllm_mla_fusion.backends import reference
@@ -133,6 +139,9 @@ def test_schedule_matches_vllm(vllm_cpu, layer_pair, monkeypatch):
     vllm_cache_writes = Counter(monkeypatch, CPUMLAImpl, "do_kv_cache_update")
     fused_rope_cache = Counter(monkeypatch, reference, "rope_cache_write")
     fused_decode = Counter(monkeypatch, reference, "decode_rope_cache_write")
+    fused_prefill = Counter(monkeypatch, reference, "prefill_rope_cache_write")
+    # vLLM's key concat: the step's own prefill tokens, plus one per chunk of cached context.
+    vllm_key_concat = Counter(monkeypatch, MLACommonBaseImpl, "_concat_k_nope_k_pe")
 
     caches = {name: H.mla_layer(a)[1].kv_cache for name, a in (("off", off), ("on", on))}
     builder = vllm_cpu.builder([H.mla_layer(a)[1].layer_name for a in (off, on)])
@@ -151,7 +160,10 @@ def test_schedule_matches_vllm(vllm_cpu, layer_pair, monkeypatch):
         want = H.run_step(vllm_cpu, off, metadata, step, hidden)
         queries_off = list(H.DECODE_QUERIES)
         assert (take_all(rope_counters), vllm_cache_writes.take()) == (1, 1), step.name
-        assert (fused_rope_cache.take(), fused_decode.take()) == (0, 0), step.name
+        assert (fused_rope_cache.take(), fused_decode.take(), fused_prefill.take()) == (0, 0, 0), step.name
+        concats_off = vllm_key_concat.take()
+        if step.name == "decode+chunked prefill":
+            assert concats_off >= 2, "the chunked prefill must read its context back from the cache"
 
         H.DECODE_QUERIES.clear()
         got = H.run_step(vllm_cpu, on, metadata, step, hidden)
@@ -160,10 +172,13 @@ def test_schedule_matches_vllm(vllm_cpu, layer_pair, monkeypatch):
         assert (take_all(rope_counters), vllm_cache_writes.take()) == (0, 0), step.name
         has_prefill, has_decode = T > num_decode, num_decode > 0
         if mode == "decode":
-            expected = (int(has_prefill), int(has_decode))
+            # (op 1, op 2, op 3): prefill rows through op 3, or op 1 when vLLM builds the key.
+            expected = (int(has_prefill and not prefill_key), int(has_decode), int(has_prefill and prefill_key))
         else:
-            expected = (1, 0)
-        assert (fused_rope_cache.take(), fused_decode.take()) == expected, step.name
+            expected = (1, 0, 0)
+        assert (fused_rope_cache.take(), fused_decode.take(), fused_prefill.take()) == expected, step.name
+        # With op 3, vLLM no longer builds the step's own key; context chunks still use its concat.
+        assert vllm_key_concat.take() == concats_off - int(has_prefill and prefill_key), step.name
 
         assert_output_close(got[:T], want[:T], f"{step.name}: attention output")
         # The decode query the backend's decode kernel received.

@@ -12,6 +12,8 @@ Switches (environment, read when ``register`` runs):
 - ``VLLM_MLA_FUSION=0``: register nothing; vLLM runs unmodified.
 - ``VLLM_MLA_FUSION_DECODE=0``: keep the fused RoPE + cache write, but leave
   the decode query assembly to vLLM (one fused launch for the whole batch).
+- ``VLLM_MLA_FUSION_PREFILL_KEY=0``: prefill rows get the fused RoPE + cache
+  write, but vLLM builds their attention key (``_concat_k_nope_k_pe``).
 - ``VLLM_MLA_FUSION_BACKEND=torch|triton|aiter``: which implementation runs
   the ops (dispatch.py); automatic by device when unset.
 
@@ -23,10 +25,11 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["register", "SUPPORTED_VLLM", "ENV_ENABLE", "ENV_DECODE"]
+__all__ = ["register", "SUPPORTED_VLLM", "ENV_ENABLE", "ENV_DECODE", "ENV_PREFILL_KEY"]
 
 ENV_ENABLE = "VLLM_MLA_FUSION"
 ENV_DECODE = "VLLM_MLA_FUSION_DECODE"
+ENV_PREFILL_KEY = "VLLM_MLA_FUSION_PREFILL_KEY"
 # The vLLM minor series whose MLA internals this plugin was written against.
 SUPPORTED_VLLM = "0.33"
 
