@@ -455,7 +455,12 @@ def _launch_config(p: Problem, op: int, device: torch.device) -> dict:
     sms = _num_sms(device)
     # Measured on an H200 (benchmarks/tune_launch.py, docs/performance.md): ~4K-element
     # tiles, except op 1 with few heads, where 2K-element tiles (32 rows of 64) won by ~12%.
-    target = 4096 if op != OP_ROPE_CACHE.value or H * R >= 4096 else 2048
+    # Op 3 moves two row widths per row (q_pe and the key): 4K-element tiles cost 168
+    # registers a thread (3 programs per SM); 2K-element ones 96.
+    if op == OP_PREFILL.value:
+        target = 2048
+    else:
+        target = 4096 if op != OP_ROPE_CACHE.value or H * R >= 4096 else 2048
     block_rows = max(1, min(triton.next_power_of_2(max(1, target // row_elems)), 256))
     # Shrink while the grid would leave most SMs idle.
     while block_rows > 1 and triton.cdiv(rows, block_rows) < sms:
@@ -464,9 +469,9 @@ def _launch_config(p: Problem, op: int, device: torch.device) -> dict:
     block_t = max(1, min(triton.next_power_of_2(max(1, 4096 // token_elems)), 64))
     while block_t > 1 and triton.cdiv(p.num_tokens, block_t) < sms // 2:
         block_t //= 2
-    # Op 3's cache programs store the key's rope part for every head in tiles of ~4K elements.
+    # Op 3's cache programs store the key's rope part for every head in tiles of ~2K elements.
     block_h = triton.next_power_of_2(H) if op == OP_PREFILL.value else 1
-    while block_h > 1 and block_t * block_h * R > 4096:
+    while block_h > 1 and block_t * block_h * R > 2048:
         block_h //= 2
     return dict(BLOCK_T=block_t, BLOCK_ROWS=block_rows, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, BLOCK_H=block_h,
                 num_warps=4, USE_PDL=_pdl_ok(device))  # fmt: skip
