@@ -5,20 +5,27 @@ Each public function is a thin call of its custom op, so eager code,
 the same path: validation (shape/dtype only, no sync), backend selection
 (dispatch.py), one backend call. The fakes run the same validation, so a bad
 call fails at trace time with the same message.
+
+``eager`` holds the custom ops' bodies themselves (same validation, selection
+and backend call, positional arguments as in ``torch.ops.mla_fusion.*``), for
+callers that already run inside an opaque custom op, such as the vLLM plugin's
+attention op: nothing traces there, and the dispatcher's per-call host cost
+would be paid per layer and step for nothing.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 
 from . import dispatch
 from .validation import check_decode_rope_cache_write, check_prefill_rope_cache_write, check_rope_cache_write
 
-__all__ = ["mla_rope_cache_write", "mla_decode_rope_cache_write", "mla_prefill_rope_cache_write"]
+__all__ = ["mla_rope_cache_write", "mla_decode_rope_cache_write", "mla_prefill_rope_cache_write", "eager"]
 
 
-@torch.library.custom_op("mla_fusion::mla_rope_cache_write", mutates_args=("q_pe", "k_pe", "kv_cache"))
-def _mla_rope_cache_write_op(
+def _rope_cache_write(
     positions: torch.Tensor,
     q_pe: torch.Tensor,
     k_pe: torch.Tensor,
@@ -42,6 +49,11 @@ def _mla_rope_cache_write_op(
     )
 
 
+_mla_rope_cache_write_op = torch.library.custom_op(
+    "mla_fusion::mla_rope_cache_write", mutates_args=("q_pe", "k_pe", "kv_cache")
+)(_rope_cache_write)
+
+
 @_mla_rope_cache_write_op.register_fake
 def _(positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache,
       kv_cache_dtype="auto", kv_cache_scale=None, backend="auto") -> None:  # fmt: skip
@@ -51,8 +63,7 @@ def _(positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cach
     dispatch.requested_backend(backend)
 
 
-@torch.library.custom_op("mla_fusion::mla_decode_rope_cache_write", mutates_args=("kv_cache", "q_out"))
-def _mla_decode_rope_cache_write_op(
+def _decode_rope_cache_write(
     positions: torch.Tensor,
     ql_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -82,6 +93,11 @@ def _mla_decode_rope_cache_write_op(
     )  # fmt: skip
 
 
+_mla_decode_rope_cache_write_op = torch.library.custom_op(
+    "mla_fusion::mla_decode_rope_cache_write", mutates_args=("kv_cache", "q_out")
+)(_decode_rope_cache_write)
+
+
 @_mla_decode_rope_cache_write_op.register_fake
 def _(positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, q_out,
       kv_cache_dtype="auto", kv_cache_scale=None, q_scale=None, is_nope_first=True, backend="auto") -> None:  # fmt: skip
@@ -92,10 +108,7 @@ def _(positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping
     dispatch.requested_backend(backend)
 
 
-@torch.library.custom_op(
-    "mla_fusion::mla_prefill_rope_cache_write", mutates_args=("q_pe", "k_pe", "kv_cache", "k_out")
-)
-def _mla_prefill_rope_cache_write_op(
+def _prefill_rope_cache_write(
     positions: torch.Tensor,
     q_pe: torch.Tensor,
     k_pe: torch.Tensor,
@@ -120,6 +133,17 @@ def _mla_prefill_rope_cache_write_op(
     dispatch.load(name).prefill_rope_cache_write(
         p, positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping, kv_cache, k_out, kv_cache_scale
     )
+
+
+_mla_prefill_rope_cache_write_op = torch.library.custom_op(
+    "mla_fusion::mla_prefill_rope_cache_write", mutates_args=("q_pe", "k_pe", "kv_cache", "k_out")
+)(_prefill_rope_cache_write)
+
+eager = SimpleNamespace(
+    mla_rope_cache_write=_rope_cache_write,
+    mla_decode_rope_cache_write=_decode_rope_cache_write,
+    mla_prefill_rope_cache_write=_prefill_rope_cache_write,
+)
 
 
 @_mla_prefill_rope_cache_write_op.register_fake

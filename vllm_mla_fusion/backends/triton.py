@@ -27,6 +27,7 @@ have no e4m3fnuz type, so there the kernel encodes the bits itself
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 
@@ -173,8 +174,10 @@ OP_DECODE = tl.constexpr(2)  # op 2: q_out = [ql_nope | rope(q_pe)], cache rows;
 OP_PREFILL = tl.constexpr(3)  # op 3: op 1 + the attention key k_out = [k_nope | rope(k_pe)]
 
 
-# The token count changes every step: specializing on it (==1, %16) would only add compilations.
-@triton.jit(do_not_specialize=["num_tokens", "n_cache_programs"])
+# The token count changes every step: specializing on it (==1, %16) would only add compilations;
+# num_slots too: a bound checked once per token, and scratch caches used to compile ahead must
+# not select another specialization than the real cache.
+@triton.jit(do_not_specialize=["num_tokens", "n_cache_programs", "num_slots"])
 def _mla_rope_cache_kernel(
     # pointers
     pos_ptr,  # [>=T] int32/int64
@@ -431,8 +434,31 @@ def _pdl_ok(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-# Set by benchmarks/tune_launch.py to time other launch configurations; None in normal use.
+# Set by benchmarks/tune_launch.py to time other launch configurations, and by
+# forced_launch_config while kernels are compiled ahead of use; None in normal use.
 LAUNCH_CONFIG_OVERRIDE: dict | None = None
+
+
+def launch_configs(p: Problem, op: int, device: torch.device, max_tokens: int) -> list[dict]:
+    """The distinct launch configurations (each a compiled kernel) ``op`` uses for 1 to
+    ``max_tokens`` tokens of ``p``'s other sizes."""
+    configs: list[dict] = []
+    for T in range(1, max_tokens + 1):
+        cfg = _launch_config(dataclasses.replace(p, num_tokens=T), op, device)
+        if cfg not in configs:
+            configs.append(cfg)
+    return configs
+
+
+@contextlib.contextmanager
+def forced_launch_config(cfg: dict):
+    """Launch with ``cfg`` whatever the token count (to compile its kernel on a small call)."""
+    global LAUNCH_CONFIG_OVERRIDE
+    previous, LAUNCH_CONFIG_OVERRIDE = LAUNCH_CONFIG_OVERRIDE, dict(cfg)
+    try:
+        yield
+    finally:
+        LAUNCH_CONFIG_OVERRIDE = previous
 
 
 def _launch_config(p: Problem, op: int, device: torch.device) -> dict:

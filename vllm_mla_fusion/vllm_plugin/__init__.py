@@ -14,6 +14,8 @@ Switches (environment, read when ``register`` runs):
   the decode query assembly to vLLM (one fused launch for the whole batch).
 - ``VLLM_MLA_FUSION_PREFILL_KEY=0``: prefill rows get the fused RoPE + cache
   write, but vLLM builds their attention key (``_concat_k_nope_k_pe``).
+- ``VLLM_MLA_FUSION_PREWARM=0``: do not compile the Triton kernel's variants
+  during vLLM's profile run (they then compile on first use).
 - ``VLLM_MLA_FUSION_BACKEND=torch|triton|aiter``: which implementation runs
   the ops (dispatch.py); automatic by device when unset.
 
@@ -25,11 +27,12 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["register", "SUPPORTED_VLLM", "ENV_ENABLE", "ENV_DECODE", "ENV_PREFILL_KEY"]
+__all__ = ["register", "SUPPORTED_VLLM", "ENV_ENABLE", "ENV_DECODE", "ENV_PREFILL_KEY", "ENV_PREWARM"]
 
 ENV_ENABLE = "VLLM_MLA_FUSION"
 ENV_DECODE = "VLLM_MLA_FUSION_DECODE"
 ENV_PREFILL_KEY = "VLLM_MLA_FUSION_PREFILL_KEY"
+ENV_PREWARM = "VLLM_MLA_FUSION_PREWARM"
 # The vLLM minor series whose MLA internals this plugin was written against.
 SUPPORTED_VLLM = "0.33"
 

@@ -39,8 +39,8 @@ from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
-from ..ops import mla_decode_rope_cache_write, mla_prefill_rope_cache_write, mla_rope_cache_write
-from . import eligibility
+from ..ops import eager
+from . import ENV_PREWARM, eligibility, env_enabled, prewarm
 from .custom_ops import write_target
 
 logger = init_logger("vllm.vllm_mla_fusion.attention")
@@ -91,10 +91,15 @@ class FusedMLAAttention(MLAAttention):
     _decode_query_dtype: torch.dtype | None  # fp8 when the backend takes an fp8 query
     _prefill_key_fused: bool  # the backend's forward_mha builds the key through _concat_k_nope_k_pe
     _prefill_key_reasons: set[str]  # per-step fallback reasons already logged
+    _prewarm_block_size: int | None  # the cache's block size, when kernels are compiled in the profile run
 
     @classmethod
-    def promote(cls, attn: MLAAttention) -> FusedMLAAttention:
-        """Turn ``attn`` into a FusedMLAAttention in place (see the module docstring)."""
+    def promote(cls, attn: MLAAttention, backend: str, block_size: int) -> FusedMLAAttention:
+        """Turn ``attn`` into a FusedMLAAttention in place (see the module docstring).
+
+        ``backend`` is the one the ops resolve to on this layer's device and
+        ``block_size`` the KV cache's (both for compiling the kernel ahead).
+        """
         # Same condition as forward_impl's choice of the fp8 concat-quant.
         fp8_query = is_quantized_kv_cache(attn.kv_cache_dtype) and attn.impl.supports_quant_query_input
         vllm_forward_mqa = attn.impl.forward_mqa
@@ -111,6 +116,7 @@ class FusedMLAAttention(MLAAttention):
         attn._decode_query_dtype = current_platform.fp8_dtype() if fp8_query else None
         attn._prefill_key_fused = prefill_reason is None
         attn._prefill_key_reasons = set()
+        attn._prewarm_block_size = block_size if backend != "torch" and env_enabled(ENV_PREWARM) else None
         if fp8_query:
             attn._decode_concat_quant_fp8_op = _DeferredDecodeQuery()
         attn.impl.forward_mqa = forward_mqa
@@ -164,6 +170,9 @@ class FusedMLAAttention(MLAAttention):
             # Profile and dummy runs: vLLM writes every token that has a slot
             # and forward_impl returns zeros without reading anything.
             num_decode, end = 0, num_tokens
+            if self._prewarm_block_size is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+                prewarm.kernels(self, q, kv_c_normed, k_pe, positions, cos_sin_cache, is_neox,
+                                self._prewarm_block_size, num_tokens)  # fmt: skip
         else:
             num_decode, end = attn_metadata.num_decode_tokens, attn_metadata.num_actual_tokens
         prefill = None
@@ -175,7 +184,7 @@ class FusedMLAAttention(MLAAttention):
                     cos_sin_cache, is_neox,
                 )  # fmt: skip
             else:
-                mla_rope_cache_write(
+                eager.mla_rope_cache_write(
                     positions[rows], q[rows, :, -rope_dim:], k_pe[rows], kv_c_normed[rows], cos_sin_cache, is_neox,
                     slots[rows], cache, cache_dtype, self._k_scale,
                 )  # fmt: skip
@@ -222,7 +231,7 @@ class FusedMLAAttention(MLAAttention):
                 "vllm-mla-fusion: unexpected prefill key input %s %s in %s; using op 1 + vLLM's concat",
                 tuple(k_nope.shape), k_nope.dtype, self.layer_name,
             )  # fmt: skip
-            mla_rope_cache_write(
+            eager.mla_rope_cache_write(
                 step.positions, step.q_pe, k_pe, step.kv_c, step.cos_sin_cache, step.is_neox, step.slot_mapping,
                 step.kv_cache, step.kv_cache_dtype, self._k_scale,
             )  # fmt: skip
@@ -230,7 +239,7 @@ class FusedMLAAttention(MLAAttention):
         k_out = torch.empty(
             (num_tokens, num_heads, k_nope.shape[-1] + rope_dim), dtype=k_nope.dtype, device=k_nope.device
         )
-        mla_prefill_rope_cache_write(
+        eager.mla_prefill_rope_cache_write(
             step.positions, step.q_pe, k_pe, step.kv_c, k_nope, step.cos_sin_cache, step.is_neox, step.slot_mapping,
             step.kv_cache, k_out, step.kv_cache_dtype, self._k_scale,
         )  # fmt: skip
@@ -249,7 +258,7 @@ class FusedMLAAttention(MLAAttention):
             dtype=self._decode_query_dtype or ql_nope.dtype,
             device=ql_nope.device,
         )
-        mla_decode_rope_cache_write(
+        eager.mla_decode_rope_cache_write(
             step.positions, ql_nope, q_pe, step.k_pe, step.kv_c, step.cos_sin_cache, step.is_neox, step.slot_mapping,
             step.kv_cache, q_out, step.kv_cache_dtype, self._k_scale,
             self._q_scale if self._decode_query_dtype is not None else None,
