@@ -90,11 +90,16 @@ class Counter:
         return n
 
 
-# (fused mode, q_lora_rank, prefill key fused): DeepSeek-V3 (q_lora_rank 1536) in both
-# modes, the DeepSeek-V2-Lite layout without a q LoRA (q_proj instead of q_a/q_b
-# projections), and decode mode with vLLM building the prefill key (op 1 + its concat).
-LAYOUTS = [("decode", 1536, True), ("rope_cache", 1536, False), ("decode", None, True), ("decode", 1536, False)]
-LAYOUT_IDS = ["decode", "rope_cache", "decode-no-q-lora", "decode-prefill-key-off"]
+# (fused mode, q_lora_rank, prefill key fused, backend takes the decode pair as it is):
+# DeepSeek-V3 (q_lora_rank 1536) in both modes, the DeepSeek-V2-Lite layout without a q
+# LoRA (q_proj instead of q_a/q_b projections), decode mode with vLLM building the prefill
+# key (op 1 + its concat), and decode mode as on FLASH_ATTN_MLA / CUTLASS_MLA, whose
+# forward_mqa takes (ql_nope, q_pe) unconcatenated (CPU_MLA stands in: it concatenates
+# a pair itself).
+LAYOUTS = [("decode", 1536, True, False), ("rope_cache", 1536, False, False), ("decode", None, True, False),
+           ("decode", 1536, False, False), ("decode", 1536, True, True), ("decode", 1536, False, True)]  # fmt: skip
+LAYOUT_IDS = ["decode", "rope_cache", "decode-no-q-lora", "decode-prefill-key-off", "decode-pair-backend",
+              "decode-pair-backend-prefill-key-off"]  # fmt: skip
 
 
 @pytest.fixture
@@ -102,7 +107,7 @@ def layer_pair(vllm_cpu, plugin_off, monkeypatch, request):
     """(vLLM's layer, the plugin's layer) with the same random weights and canary-filled caches."""
     from vllm_mla_fusion.vllm_plugin import register
 
-    mode, q_lora_rank, prefill_key = request.param
+    mode, q_lora_rank, prefill_key, pair_backend = request.param
     hf_config = copy.copy(vllm_cpu.model_config.hf_config)
     hf_config.q_lora_rank = q_lora_rank
     off = vllm_cpu.build_attention(hf_config)
@@ -111,12 +116,20 @@ def layer_pair(vllm_cpu, plugin_off, monkeypatch, request):
         monkeypatch.setenv("VLLM_MLA_FUSION_DECODE", "0")
     elif not prefill_key:
         monkeypatch.setenv("VLLM_MLA_FUSION_PREFILL_KEY", "0")
+    if pair_backend:
+        from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+        from vllm_mla_fusion.vllm_plugin import eligibility
+
+        monkeypatch.setattr(eligibility, "_DECODE_PAIR_BACKENDS", {(CPUMLAImpl.__module__, CPUMLAImpl.__qualname__)})
     register()
     on = vllm_cpu.build_attention(hf_config)
     vllm_cpu.finish_weights(on, state)
     assert type(off.mla_attn).__name__ == "MultiHeadLatentAttentionWrapper"
     assert on.mla_attn.fusion_mode == mode
     assert getattr(on.mla_attn.mla_attn, "_prefill_key_fused", False) == prefill_key
+    if mode == "decode":
+        assert on.mla_attn.mla_attn._decode_assembles_query == (not pair_backend)
     assert (on.mla_attn.q_proj is None) == (q_lora_rank is not None)
     for attn in (off, on):
         H.mla_layer(attn)[1].bind_kv_cache(H.new_kv_cache(seed=7))
@@ -128,6 +141,7 @@ def test_schedule_matches_vllm(vllm_cpu, layer_pair, monkeypatch):
     off, on = layer_pair
     mode = on.mla_attn.fusion_mode
     prefill_key = getattr(on.mla_attn.mla_attn, "_prefill_key_fused", False)
+    assembles = getattr(on.mla_attn.mla_attn, "_decode_assembles_query", False)
     from vllm.model_executor.layers.attention.mla_attention import MLACommonBaseImpl
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
 
@@ -173,7 +187,10 @@ def test_schedule_matches_vllm(vllm_cpu, layer_pair, monkeypatch):
         has_prefill, has_decode = T > num_decode, num_decode > 0
         if mode == "decode":
             # (op 1, op 2, op 3): prefill rows through op 3, or op 1 when vLLM builds the key.
-            expected = (int(has_prefill and not prefill_key), int(has_decode), int(has_prefill and prefill_key))
+            # Op 1 takes, in one launch, the prefill rows when vLLM builds the key and the
+            # decode rows when the backend takes the pair as it is.
+            op1_rows = (has_prefill and not prefill_key) or (has_decode and not assembles)
+            expected = (int(op1_rows), int(has_decode and assembles), int(has_prefill and prefill_key))
         else:
             expected = (1, 0, 0)
         assert (fused_rope_cache.take(), fused_decode.take(), fused_prefill.take()) == expected, step.name

@@ -9,7 +9,10 @@ In vLLM 0.33 ``MLAAttention.forward_impl`` splits a step's tokens (decodes first
   hand-over: the fp8 concat-quant becomes a pass-through and ``forward_mqa``
   first turns the pair into ``[ql_nope | rope(q_pe)]`` with
   ``mla_fusion::mla_decode_rope_cache_write``, which writes the decode tokens'
-  cache rows in the same launch.
+  cache rows in the same launch. Backends that take the pair as it is
+  (FLASH_ATTN_MLA, CUTLASS_MLA: no concat to save, and assembling it would
+  copy ``ql_nope`` for nothing) instead get ``mla_fusion::mla_rope_cache_write``
+  on the decode rows before ``forward_impl``, and the pair passes unchanged.
 - prefill tokens: ``forward_mha`` projects ``kv_b_proj(kv_c_normed)`` into
   ``(k_nope, v)`` and builds the attention key with ``_concat_k_nope_k_pe``
   before anything reads ``q``. A fused layer turns that first call into
@@ -92,6 +95,7 @@ class FusedMLAAttention(MLAAttention):
     _prefill_key_fused: bool  # the backend's forward_mha builds the key through _concat_k_nope_k_pe
     _prefill_key_reasons: set[str]  # per-step fallback reasons already logged
     _prewarm_block_size: int | None  # the cache's block size, when kernels are compiled in the profile run
+    _decode_assembles_query: bool  # op 2 builds [ql_nope | rope(q_pe)]; else op 1 rotates the decode rows
 
     @classmethod
     def promote(cls, attn: MLAAttention, backend: str, block_size: int) -> FusedMLAAttention:
@@ -103,6 +107,7 @@ class FusedMLAAttention(MLAAttention):
         # Same condition as forward_impl's choice of the fp8 concat-quant.
         fp8_query = is_quantized_kv_cache(attn.kv_cache_dtype) and attn.impl.supports_quant_query_input
         vllm_forward_mqa = attn.impl.forward_mqa
+        assemble_reason = eligibility.decode_pair_reason(attn.impl, fp8_query)
 
         def forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer):
             if isinstance(q, tuple):
@@ -117,9 +122,13 @@ class FusedMLAAttention(MLAAttention):
         attn._prefill_key_fused = prefill_reason is None
         attn._prefill_key_reasons = set()
         attn._prewarm_block_size = block_size if backend != "torch" and env_enabled(ENV_PREWARM) else None
+        attn._decode_assembles_query = assemble_reason is None
         if fp8_query:
             attn._decode_concat_quant_fp8_op = _DeferredDecodeQuery()
-        attn.impl.forward_mqa = forward_mqa
+        if assemble_reason is None:
+            attn.impl.forward_mqa = forward_mqa
+        else:
+            logger.debug("vllm-mla-fusion: %s rotates the decode rows with op 1: %s", attn.layer_name, assemble_reason)
         if prefill_reason is None:
             impl = attn.impl
 
@@ -176,20 +185,28 @@ class FusedMLAAttention(MLAAttention):
         else:
             num_decode, end = attn_metadata.num_decode_tokens, attn_metadata.num_actual_tokens
         prefill = None
+        # Rows that get op 1 now: the decode rows where the backend takes (ql_nope, q_pe) as is,
+        # and the prefill rows where vLLM builds the key. Decode rows come first, so the two
+        # ranges are one when both apply: one launch.
+        first = num_decode if self._decode_assembles_query else 0
+        last = num_decode
         if end > num_decode:
-            rows = slice(num_decode, end)
             if attn_metadata is not None and self._fuse_prefill_key(attn_metadata):
+                rows = slice(num_decode, end)
                 prefill = _PrefillStep(
                     positions[rows], q[rows, :, -rope_dim:], kv_c_normed[rows], slots[rows], cache, cache_dtype,
                     cos_sin_cache, is_neox,
                 )  # fmt: skip
             else:
-                eager.mla_rope_cache_write(
-                    positions[rows], q[rows, :, -rope_dim:], k_pe[rows], kv_c_normed[rows], cos_sin_cache, is_neox,
-                    slots[rows], cache, cache_dtype, self._k_scale,
-                )  # fmt: skip
+                last = end
+        if last > first:
+            rows = slice(first, last)
+            eager.mla_rope_cache_write(
+                positions[rows], q[rows, :, -rope_dim:], k_pe[rows], kv_c_normed[rows], cos_sin_cache, is_neox,
+                slots[rows], cache, cache_dtype, self._k_scale,
+            )  # fmt: skip
         step = None
-        if num_decode > 0:
+        if num_decode > 0 and self._decode_assembles_query:
             step = _DecodeStep(
                 positions[:num_decode], k_pe[:num_decode], kv_c_normed[:num_decode], slots[:num_decode], cache,
                 cache_dtype, cos_sin_cache, is_neox,

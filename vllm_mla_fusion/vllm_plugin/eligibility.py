@@ -122,6 +122,35 @@ def decode_reason(attn: MLAAttention, vllm_config: VllmConfig) -> str | None:
     return None
 
 
+# Backends whose forward_mqa consumes the (ql_nope, q_pe) pair as it is (FlashAttention's
+# q_v / CUTLASS's q_nope, q_pe arguments); the others concatenate a pair first. Matched by
+# name along the class's MRO: importing those modules would initialise CUDA.
+_DECODE_PAIR_BACKENDS = frozenset({
+    ("vllm.v1.attention.backends.mla.flashattn_mla", "FlashAttnMLAImpl"),
+    ("vllm.v1.attention.backends.mla.cutlass_mla", "CutlassMLAImpl"),
+})  # fmt: skip
+
+
+def _takes_decode_pair(impl: MLAAttentionImpl) -> bool:
+    return any((c.__module__, c.__qualname__) in _DECODE_PAIR_BACKENDS for c in type(impl).__mro__)
+
+
+def decode_pair_reason(impl: MLAAttentionImpl, fp8_query: bool) -> str | None:
+    """Why a decode-mode layer's decode rows get op 1 (the pair passes on) rather than op 2, or None.
+
+    Op 2 writes ``[ql_nope | rope(q_pe)]``: it saves a concatenation the backend would
+    do, at the price of copying ``ql_nope``. A backend that takes the pair as it is has
+    no concatenation to save: op 1 rotates ``q_pe`` in place and writes the cache rows,
+    moving a fraction of the bytes. An fp8 query is always assembled (vLLM quantizes
+    the concatenation).
+    """
+    if fp8_query:
+        return None
+    if _takes_decode_pair(impl):
+        return f"{type(impl).__name__}.forward_mqa takes (ql_nope, q_pe) without concatenating"
+    return None
+
+
 def _aiter_mla_impl() -> type | None:
     try:
         from vllm.v1.attention.backends.mla.rocm_aiter_mla import AiterMLAImpl
