@@ -33,6 +33,8 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 import torch  # noqa: E402
 
+from demo import cpu_stand_ins  # noqa: E402
+
 from . import harness as H  # noqa: E402
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 40)), [7] * 3 + [300, 200, 100]]
@@ -61,9 +63,7 @@ def redraw_weights(model: torch.nn.Module) -> list[str]:
 
 
 def main(model_dir: str) -> None:
-    H.install_cpu_stand_ins(
-        ("mla_decode_kvcache", "init_cpu_memory_env", "compute_slot_mapping_kernel_impl", "greedy_argmax")
-    )
+    cpu_stand_ins.install()
     from vllm import LLM, SamplingParams
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
 
