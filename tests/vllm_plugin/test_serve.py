@@ -5,9 +5,9 @@ is ``vllm serve`` plus, on this CPU-only machine, the stand-ins for the vLLM
 kernels the wheel lacks, in every server process (API server, engine core,
 worker). Concurrent requests of different lengths, greedy, float32.
 
-Marked ``slow``: about 4 minutes on a 2-core machine (each server takes
-~1.5 minutes to start: three processes import vLLM). That fits CI's
-90-minute limit next to the rest of the suite (~6 minutes), so CI runs it:
+Marked ``slow``: about 2-2.5 minutes on a 2-core machine (each server takes
+about a minute to start: three processes import vLLM). The whole suite with
+it takes ~8 minutes there, well inside CI's 90-minute limit, so CI runs it:
 scripts/test.sh selects no markers; deselect locally with ``-m "not slow"``.
 """
 
