@@ -21,6 +21,8 @@ import copy
 import pytest
 import torch
 
+from demo import cpu_stand_ins
+
 from . import harness as H
 
 pytest.importorskip("vllm")
@@ -170,18 +172,18 @@ def test_schedule_matches_vllm(vllm_cpu, layer_pair, monkeypatch):
         num_decode, T = metadata.num_decode_tokens, step.num_tokens
         hidden = torch.randn((step.positions.numel(), HIDDEN), generator=g).to(H.DTYPE)
 
-        H.DECODE_QUERIES.clear()
+        cpu_stand_ins.DECODE_QUERIES.clear()
         want = H.run_step(vllm_cpu, off, metadata, step, hidden)
-        queries_off = list(H.DECODE_QUERIES)
+        queries_off = list(cpu_stand_ins.DECODE_QUERIES)
         assert (take_all(rope_counters), vllm_cache_writes.take()) == (1, 1), step.name
         assert (fused_rope_cache.take(), fused_decode.take(), fused_prefill.take()) == (0, 0, 0), step.name
         concats_off = vllm_key_concat.take()
         if step.name == "decode+chunked prefill":
             assert concats_off >= 2, "the chunked prefill must read its context back from the cache"
 
-        H.DECODE_QUERIES.clear()
+        cpu_stand_ins.DECODE_QUERIES.clear()
         got = H.run_step(vllm_cpu, on, metadata, step, hidden)
-        queries_on = list(H.DECODE_QUERIES)
+        queries_on = list(cpu_stand_ins.DECODE_QUERIES)
         # Launches of the fused ops, and no separate RoPE or cache write.
         assert (take_all(rope_counters), vllm_cache_writes.take()) == (0, 0), step.name
         has_prefill, has_decode = T > num_decode, num_decode > 0
