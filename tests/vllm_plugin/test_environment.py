@@ -20,6 +20,8 @@ UNKNOWN = "Unknown vLLM environment variable detected"
 SETTINGS = {
     "VLLM_MLA_FUSION": "1",
     "VLLM_MLA_FUSION_DECODE": "1",
+    "VLLM_MLA_FUSION_PREFILL_KEY": "1",
+    "VLLM_MLA_FUSION_PREWARM": "1",
     "VLLM_MLA_FUSION_BACKEND": "torch",
     "VLLM_MLA_FUSION_DEBUG": "0",
     "VLLM_MLA_FUSION_PDL": "1",

@@ -131,10 +131,13 @@ class FusedMLAAttention(MLAAttention):
             logger.debug("vllm-mla-fusion: %s rotates the decode rows with op 1: %s", attn.layer_name, assemble_reason)
         if prefill_reason is None:
             impl = attn.impl
+            # What vLLM would call: an instance attribute someone set before us (a wrapper
+            # of theirs), else the class's method, looked up at each call.
+            previous = impl.__dict__.get("_concat_k_nope_k_pe")
 
             def concat_k_nope_k_pe(k_nope, k_pe):
-                # vLLM's own concat, looked up when called (the class's, not a copy taken now).
-                return attn.assemble_prefill_key(k_nope, k_pe, type(impl)._concat_k_nope_k_pe.__get__(impl))
+                vllm_concat = previous or type(impl)._concat_k_nope_k_pe.__get__(impl)
+                return attn.assemble_prefill_key(k_nope, k_pe, vllm_concat)
 
             impl._concat_k_nope_k_pe = concat_k_nope_k_pe
         else:
