@@ -10,14 +10,19 @@ per engine:
 1. first request: B=1, 64-token prompt, 1 output token, right after start-up, then
    the same shape 3 more times (the first-call cost), with Triton JIT compilations
    recorded from the end of vLLM's warm-up on;
-2. decode: for each batch B, ``--repeats`` x (B requests x 1 token, B requests x N
-   tokens, ``ignore_eos``); TPOT = (t_N - t_1) / (N - 1), the wall time of a decode step;
-   throughput = B*N / t_N;
-3. prefill: one request of L tokens, 1 output token: TTFT, ``--repeats`` times;
-4. GPU time: one torch-profiler session (vLLM's ``profiler_config``) over B requests x
+2. timing pass 0: for each batch B, B requests x 1 token and B requests x N tokens
+   (``ignore_eos``), TPOT = (t_N - t_1) / (N - 1), the wall time of a decode step,
+   throughput = B*N / t_N; for each prompt length L, one request of L tokens x 1
+   token, TTFT (each shape runs once untimed first);
+3. GPU time: one torch-profiler session (vLLM's ``profiler_config``) over B requests x
    (1 + K) tokens for each B and one prefill per L; every engine step's kernels
    (benchmarks/vllm_trace.py); per decode step of batch B: the sum of kernel durations
-   and the busy time (union of GPU intervals), median over the steps.
+   and the busy time (union of GPU intervals), median over the steps;
+4. timing passes 1 .. ``--repeats``-1, as far as the deadline allows.
+
+The deadline (``--deadline-s``) is kept by pairs: an "on" engine starts only if its
+"off" partner still fits, and leaves it the time; an engine short of time skips
+timing passes, never the first pass or (unless very late) the profile.
 
 Prompts are random token ids, new for every request, so vLLM's prefix cache (on, as
 in serving) never hits. The predicted saving per decode step is 61 x (unfused chain -
@@ -116,8 +121,14 @@ DSV3_TP8_CONFIG = {
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFILL_LENS = (1024, 4096, 16384)
 KERNEL_BENCH_JSON = BENCH_DIR / "results" / "bench_mla_rope_cache.json"
-# Rough engine durations (s) used for the deadline before one of the kind was measured.
-DEFAULT_ENGINE_S = {"cold": 200.0}
+# For the deadline (seconds), until measured: a cold engine start (compile + capture of 61
+# layers), a warm one (vLLM loads the AOT artifact its side compiled before), the least
+# measuring worth starting an engine for, the profiling session, teardown.
+DEFAULT_COLD_START_S = 150.0
+WARM_START_S = 60.0
+MIN_MEASURE_S = 45.0
+PROFILE_RESERVE_S = 25.0
+TEARDOWN_S = 15.0
 
 
 def log(msg: str) -> None:
@@ -209,7 +220,14 @@ class Bench:
             "engines": [],
             "skipped": [],
         }
-        self.durations: dict = {}
+        self.starts: dict = {}
+        # GPU memory in use before any engine (nvidia-smi): an engine's memory counts as released
+        # once usage is back near it (the next engine's start checks free >= 90% of the GPU).
+        import vllm_engine as E
+
+        self.gpu_baseline_mib = None if args.smoke else E.wait_gpu_memory_released(float("inf"), timeout_s=0)
+        self.report["environment"]["gpu_used_mib_before"] = self.gpu_baseline_mib
+        self.min_measure_s = 5.0 if args.smoke else MIN_MEASURE_S
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -286,17 +304,19 @@ class Bench:
                 out += [(kv, s) for s in sides]
         return out
 
-    def estimate(self, kv: str, side: str) -> float:
-        """Expected seconds for the next engine of (kv, side), for the deadline."""
-        seen = self.durations.get((kv, side))
+    def start_estimate(self, kv: str, side: str) -> float:
+        """Expected start-up seconds of the next engine of (kv, side)."""
+        seen = self.starts.get((kv, side))
         if seen is not None:
-            total, start = seen
-            # Same side again: its compile cache is warm (vLLM loads the AOT artifact).
-            return total - start + min(start, 60.0)
-        same_kv = [total for (k, _), (total, _) in self.durations.items() if k == kv]
+            return min(seen, WARM_START_S)  # same side again: vLLM loads its AOT-compiled artifact
+        same_kv = [v for (k, _), v in self.starts.items() if k == kv]
         if same_kv:
             return max(same_kv) * 1.2  # the other side compiles its own graph: a cold start
-        return DEFAULT_ENGINE_S["cold"]
+        return DEFAULT_COLD_START_S
+
+    def engine_need(self, kv: str, side: str) -> float:
+        """The least an engine needs to be worth starting: start, one timing pass, profile, teardown."""
+        return self.start_estimate(kv, side) + self.min_measure_s + TEARDOWN_S
 
     def run(self) -> int:
         import vllm_engine as E
@@ -317,12 +337,16 @@ class Bench:
         queue = self.plan()
         idx = 0
         extra = False
-        while queue or (a.extra_pairs and self.elapsed() < a.deadline_s):
+        while True:
             if not queue:
+                if not a.extra_pairs:
+                    break
                 queue, extra = [(a.extra_pairs, "on"), (a.extra_pairs, "off")], True
             kv, side = queue[0]
-            # A pair is only worth starting if both of its engines fit.
-            need = self.estimate(kv, side) + (self.estimate(kv, "off") if side == "on" else 0.0)
+            # Engines run in on/off pairs: an "on" engine starts only if its "off" partner fits
+            # too, and stops measuring early enough to leave that partner its time.
+            partner = self.engine_need(kv, "off") if side == "on" else 0.0
+            need = self.engine_need(kv, side) + partner
             if self.elapsed() + need > a.deadline_s:
                 self.report["skipped"] += [{"kv_cache_dtype": k, "side": s, "optional": extra,
                                             "reason": f"deadline: {self.elapsed():.0f} s elapsed, ~{need:.0f} s needed, "
@@ -330,14 +354,12 @@ class Bench:
                 log(f"deadline: not starting {len(queue)} more engine(s)")
                 break
             queue.pop(0)
-            t = time.monotonic()
-            rec = self.run_engine(idx, kv, side)
-            self.durations[(kv, side)] = (time.monotonic() - t, rec.get("start_s", 0.0))
+            rec = self.run_engine(idx, kv, side, engine_deadline=a.deadline_s - partner)
+            if "start_s" in rec:
+                self.starts[(kv, side)] = rec["start_s"]
             idx += 1
             self.report["engines"].append(rec)
             self.save()
-            if not queue and not a.extra_pairs:
-                break
         import torch
 
         # The driver must never have touched CUDA (fork-safety for vLLM's engine core).
@@ -351,7 +373,10 @@ class Bench:
 
     # -- one engine -----------------------------------------------------------------
 
-    def run_engine(self, idx: int, kv: str, side: str) -> dict:
+    def run_engine(self, idx: int, kv: str, side: str, engine_deadline: float) -> dict:
+        """Start one engine, measure, tear down. Sections, in order: first request; one timing pass
+        over every decode batch and prefill length; the profiling session; further timing passes
+        while ``engine_deadline`` (seconds since the benchmark started) allows."""
         import vllm_engine as E
         from vllm import LLM
 
@@ -392,17 +417,25 @@ class Bench:
 
             mark("first_request")
             rec["first_request"] = self.first_request(llm, prompts)
-            mark("decode")
-            rec["decode"] = self.decode(llm, prompts)
-            self.save_partial(rec)
-            mark("prefill")
-            rec["prefill"] = self.prefill(llm, prompts)
+            rec["decode"], rec["prefill"] = {}, {}
+            mark("timing pass 0")
+            t = time.monotonic()
+            self.timing_pass(llm, prompts, rec, 0)
+            pass_s = time.monotonic() - t
             self.save_partial(rec)
             mark("profile")
-            if self.elapsed() < a.deadline_s - 20:
+            if self.elapsed() + PROFILE_RESERVE_S < engine_deadline:
                 rec["profile"] = self.profile(llm, prompts, prof_dir, idx)
             else:
                 rec["profile"] = {"skipped": "deadline"}
+            self.save_partial(rec)
+            for r in range(1, a.repeats):
+                if self.elapsed() + pass_s + TEARDOWN_S > engine_deadline:
+                    rec["timing_passes_skipped"] = f"{a.repeats - r} of {a.repeats} (deadline)"
+                    break
+                mark(f"timing pass {r}")
+                self.timing_pass(llm, prompts, rec, r)
+            self.finish_timing(rec)
             mark("end")
             jit = llm.collective_rpc(E.read_jit_log)[0]
             rec["jit_after_warmup"] = attribute_jit(jit, marks)
@@ -413,8 +446,8 @@ class Bench:
         finally:
             rec["shutdown_s"] = E.shutdown(llm)
             del llm
-            if not a.smoke:
-                rec["gpu_used_mib_after"] = E.wait_gpu_memory_released(4096.0, timeout_s=90.0)
+            if self.gpu_baseline_mib is not None:
+                rec["gpu_used_mib_after"] = E.wait_gpu_memory_released(self.gpu_baseline_mib + 2048.0, timeout_s=90.0)
         return rec
 
     def save_partial(self, rec: dict) -> None:
@@ -429,35 +462,35 @@ class Bench:
         log(f"  first request {1e3 * first:.1f} ms, then {', '.join(f'{1e3 * x:.1f}' for x in rest)} ms")
         return {"first_s": first, "next_s": rest, "excess_ms": 1e3 * (first - statistics.median(rest))}
 
-    def decode(self, llm, prompts: Prompts) -> dict:
+    def timing_pass(self, llm, prompts: Prompts, rec: dict, r: int) -> None:
+        """One repeat over every decode batch (t_1, t_N) and prefill length (TTFT); pass 0 first
+        runs each shape once untimed (first use of a shape)."""
         a = self.args
-        out = {}
         n = a.decode_tokens
         for b in a.decode_batches:
-            timed(llm, prompts.take(b, a.prompt_len), 4)  # first use of this batch shape: not timed
-            t1, tn = [], []
-            for _ in range(a.repeats):
-                t1.append(timed(llm, prompts.take(b, a.prompt_len), 1))
-                tn.append(timed(llm, prompts.take(b, a.prompt_len), n))
-            tpot = [(y - x) / (n - 1) for x, y in zip(t1, tn)]
-            out[str(b)] = {"t1_s": t1, "tN_s": tn, "tpot_ms": [1e3 * x for x in tpot], "tpot_ms_median": 1e3 * med(tpot),
-                           "throughput_tok_s": b * n / med(tn), "decode_tok_s": b / med(tpot)}  # fmt: skip
-            log(f"  decode B={b:4d}: TPOT {out[str(b)]['tpot_ms_median']:.3f} ms "
-                f"(repeats {', '.join(f'{x:.3f}' for x in out[str(b)]['tpot_ms'])})")  # fmt: skip
-            if self.elapsed() > a.deadline_s - 30:
-                out["truncated"] = f"deadline after B={b}"
-                break
-        return out
-
-    def prefill(self, llm, prompts: Prompts) -> dict:
-        a = self.args
-        out = {}
+            if r == 0:
+                timed(llm, prompts.take(b, a.prompt_len), 4)
+            d = rec["decode"].setdefault(str(b), {"t1_s": [], "tN_s": []})
+            d["t1_s"].append(timed(llm, prompts.take(b, a.prompt_len), 1))
+            d["tN_s"].append(timed(llm, prompts.take(b, a.prompt_len), n))
+            tpot = 1e3 * (d["tN_s"][-1] - d["t1_s"][-1]) / (n - 1)
+            log(f"  pass {r} decode B={b:4d}: TPOT {tpot:.3f} ms")
         for length in a.prefill_lens:
-            timed(llm, prompts.take(1, length), 1)
-            ttft = [timed(llm, prompts.take(1, length), 1) for _ in range(a.repeats)]
-            out[str(length)] = {"ttft_s": ttft, "ttft_ms_median": 1e3 * med(ttft)}
-            log(f"  prefill L={length:5d}: TTFT {out[str(length)]['ttft_ms_median']:.2f} ms")
-        return out
+            if r == 0:
+                timed(llm, prompts.take(1, length), 1)
+            p = rec["prefill"].setdefault(str(length), {"ttft_s": []})
+            p["ttft_s"].append(timed(llm, prompts.take(1, length), 1))
+            log(f"  pass {r} prefill L={length:5d}: TTFT {1e3 * p['ttft_s'][-1]:.2f} ms")
+        self.finish_timing(rec)
+
+    def finish_timing(self, rec: dict) -> None:
+        n = self.args.decode_tokens
+        for b, d in rec["decode"].items():
+            tpot = [(y - x) / (n - 1) for x, y in zip(d["t1_s"], d["tN_s"])]
+            d.update(tpot_ms=[1e3 * x for x in tpot], tpot_ms_median=1e3 * med(tpot),
+                     throughput_tok_s=int(b) * n / med(d["tN_s"]), decode_tok_s=int(b) / med(tpot))  # fmt: skip
+        for p in rec["prefill"].values():
+            p["ttft_ms_median"] = 1e3 * med(p["ttft_s"])
 
     def profile(self, llm, prompts: Prompts, prof_dir: Path, idx: int) -> dict:
         import vllm_engine as E
@@ -823,6 +856,13 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if not args.smoke:
+        import shutil
+
+        # A 61-layer model on vLLM's CPU platform would run for hours; checked without CUDA.
+        if shutil.which("nvidia-smi") is None or subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode:
+            log("error: no NVIDIA GPU (nvidia-smi -L failed); use --smoke for the CPU code-path check")
+            return 2
     if args.inproc:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if args.smoke:

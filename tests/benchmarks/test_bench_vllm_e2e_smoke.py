@@ -96,7 +96,8 @@ def test_prediction_and_summary(report):
     summ = report["summary"]["auto"]
     assert set(summ["decode"]) == {"1", "2"}
     for r in summ["decode"].values():
-        assert r["predicted_saving_us"] > 0 and r["tpot_ms"]["on"] > 0 and r["tpot_ms"]["off"] > 0
+        # A CPU TPOT may even come out negative (t_N - t_1 over N=3 is all noise): only its presence counts.
+        assert r["predicted_saving_us"] > 0 and r["tpot_ms"]["on"] is not None and r["tpot_ms"]["off"] is not None
     assert summ["backend"]["backend"] == "CPU_MLA"
     assert "meaningless" in report["_md"] and "| 1 |" in report["_md"]
     assert "E2E SUMMARY" in report["_stdout"]
