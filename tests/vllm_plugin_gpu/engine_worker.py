@@ -201,9 +201,18 @@ class Runner:
             self.release()
         return rec
 
-    def release(self) -> None:
+    def release(self, after_failure: bool = False) -> None:
         import torch
 
+        if after_failure:
+            # An engine that failed while starting never reached its shutdown: its process
+            # groups would make the next engine's distributed init fail.
+            try:
+                from vllm.distributed import cleanup_dist_env_and_memory
+
+                cleanup_dist_env_and_memory()
+            except Exception as e:  # noqa: BLE001 - best effort
+                print(f"cleanup after a failed engine raised {type(e).__name__}: {e}", flush=True)
         gc.collect()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
@@ -227,12 +236,15 @@ class Runner:
         failures = 0
         for cases in groups.values():
             for c in cases:
-                for side in ("on", "off"):
-                    elapsed = time.monotonic() - self.t0
-                    if elapsed > self.args.budget_s:
+                # Cases start whole or not at all: an "on" engine without its "off" partner
+                # checks nothing (the caller's reserve past the budget covers the partner).
+                elapsed = time.monotonic() - self.t0
+                if elapsed > self.args.budget_s:
+                    for side in ("on", "off"):
                         self.emit({"case": c.to_json(), "side": side, "skipped": f"worker budget of "
                                    f"{self.args.budget_s:.0f} s used up after {elapsed:.0f} s"})  # fmt: skip
-                        continue
+                    continue
+                for side in ("on", "off"):
                     E.log(f"{c.name} plugin {side}: building")
                     try:
                         rec = self.run_engine(c, side)
@@ -240,7 +252,7 @@ class Runner:
                         failures += 1
                         rec = {"case": c.to_json(), "side": side, "error": f"{type(e).__name__}: {e}",
                                "traceback": traceback.format_exc()[-6000:]}  # fmt: skip
-                        self.release()
+                        self.release(after_failure=True)
                     E.log(f"{c.name} plugin {side}: " + (rec.get("error") or f"built in {rec['build_s']:.1f} s, "
                           f"probed in {rec['probe_s']:.1f} s"))  # fmt: skip
                     self.emit(rec)
@@ -255,7 +267,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="vLLM's CPU platform, CPU_MLA, stand-in kernels")
     ap.add_argument("--out", required=True, help="JSON-lines file to append to")
     ap.add_argument("--work-dir", default=None, help="model dir, caches, traces (default: beside --out)")
-    ap.add_argument("--budget-s", type=float, default=240.0, help="start no engine after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=240.0, help="start no case after this many seconds")
     args = ap.parse_args(argv)
     args.group = args.group or sorted(W.GROUPS)
     if args.work_dir is None:

@@ -6,7 +6,7 @@ side on the one GPU; this module starts them once per session, and its tests che
 what they recorded (checks.py). ``VLLM_MLA_FUSION_GPU_OUT`` names a folder for the
 combined results, the workers' logs and a readable report (scripts/gpu_vllm_check.sh
 sets it to $OUT); ``VLLM_MLA_FUSION_GPU_BUDGET_S`` bounds the whole run (default 300 s):
-workers start no engine past it less a reserve, and are killed at it. A case that did
+workers start no case (an on/off pair) past it less a reserve, and are killed at it. A case that did
 not run within the budget is skipped with that reason.
 
 | test | checks |
