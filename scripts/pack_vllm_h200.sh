@@ -12,6 +12,7 @@ PACK=${PACK_SCRIPT:-$(cd .. && pwd)/shared/tools/pack-vllm-for-h200.sh}
 
 list() {
   local n=0
+  compgen -G "$DEST/parts/p[0-9][0-9]" >/dev/null || { echo "no pieces in $DEST/parts: run without --list first"; return 1; }
   for p in "$DEST"/parts/p[0-9][0-9]; do
     echo "carry [\"$p\"]   command: mkdir -p /tmp/acc && cp $p /tmp/acc/"
     n=$((n + 1))
