@@ -125,7 +125,7 @@ KERNEL_BENCH_JSON = BENCH_DIR / "results" / "bench_mla_rope_cache.json"
 # layers), a warm one (vLLM loads the AOT artifact its side compiled before), the least
 # measuring worth starting an engine for, the profiling session, teardown.
 DEFAULT_COLD_START_S = 150.0
-WARM_START_S = 60.0
+WARM_START_S = 50.0
 MIN_MEASURE_S = 45.0
 PROFILE_RESERVE_S = 25.0
 TEARDOWN_S = 15.0
@@ -221,6 +221,7 @@ class Bench:
             "skipped": [],
         }
         self.starts: dict = {}
+        self.cores: dict = {}
         # GPU memory in use before any engine (nvidia-smi): an engine's memory counts as released
         # once usage is back near it (the next engine's start checks free >= 90% of the GPU).
         import vllm_engine as E
@@ -315,8 +316,10 @@ class Bench:
         return DEFAULT_COLD_START_S
 
     def engine_need(self, kv: str, side: str) -> float:
-        """The least an engine needs to be worth starting: start, one timing pass, profile, teardown."""
-        return self.start_estimate(kv, side) + self.min_measure_s + TEARDOWN_S
+        """The least an engine needs to be worth starting: start, first request + one timing pass +
+        profile (as measured on engines of this cache dtype, else a guess), teardown."""
+        core = [c for (k, _), c in self.cores.items() if k == kv]
+        return self.start_estimate(kv, side) + (max(core) if core else self.min_measure_s) + TEARDOWN_S
 
     def run(self) -> int:
         import vllm_engine as E
@@ -357,6 +360,8 @@ class Bench:
             rec = self.run_engine(idx, kv, side, engine_deadline=a.deadline_s - partner)
             if "start_s" in rec:
                 self.starts[(kv, side)] = rec["start_s"]
+            if "core_s" in rec:
+                self.cores[(kv, side)] = rec["core_s"]
             idx += 1
             self.report["engines"].append(rec)
             self.save()
@@ -428,6 +433,7 @@ class Bench:
                 rec["profile"] = self.profile(llm, prompts, prof_dir, idx)
             else:
                 rec["profile"] = {"skipped": "deadline"}
+            rec["core_s"] = time.perf_counter() - marks["first_request"]
             self.save_partial(rec)
             for r in range(1, a.repeats):
                 if self.elapsed() + pass_s + TEARDOWN_S > engine_deadline:
