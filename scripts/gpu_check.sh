@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project checks on a GPU, in one call (device time is scarce):
-#   scripts/gpu_check.sh [tests] [sanitizer] [bench] [quickbench] [epilogue] [hostcost] [tune]
+#   scripts/gpu_check.sh [tests] [sanitizer] [memcheck] [bench] [quickbench] [epilogue] [hostcost] [tune]
 #   (default: tests sanitizer bench)
 # Logs and results go under $OUT (default ./gpu_out). Needs torch + triton + pytest; no vLLM.
 # AITER's Triton op joins the cross-check test and the benchmark when third_party_aiter/ is
@@ -17,7 +17,7 @@ status=0
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-} 2>&1 | tee "$OUT/env.txt"
+} 2>&1 | tee "$OUT/env_kernels.txt"
 
 for stage in $stages; do
   case $stage in
@@ -36,6 +36,13 @@ for stage in $stages; do
         python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "$sel" 2>&1 | tee "$OUT/sanitizer_$tool.log" | tail -n 6 || status=1
     done
     ;;
+  memcheck)
+    # compute-sanitizer memcheck of a chosen selection of test_gpu.py (SANITIZE_SELECTION).
+    echo "== compute-sanitizer memcheck: ${SANITIZE_SELECTION:-sanitize_core}"
+    compute-sanitizer --tool memcheck --error-exitcode 9 --target-processes all \
+      python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "${SANITIZE_SELECTION:-sanitize_core}" 2>&1 \
+      | tee "$OUT/sanitizer_memcheck.log" | tail -n 6 || status=1
+    ;;
   bench | quickbench)
     echo "== benchmark"
     mkdir -p "$OUT/bench"
@@ -48,7 +55,8 @@ for stage in $stages; do
     echo "== benchmark: epilogue"
     mkdir -p "$OUT/epilogue"
     python3 benchmarks/bench_mla_rope_cache.py --out "$OUT/epilogue" --sections epilogue sweep --quick \
-      --time-budget-s "${BENCH_BUDGET_S:-240}" 2>&1 | tee "$OUT/epilogue.log" | tail -n 60 || status=1
+      --tokens 1 16 64 256 1024 4096 16384 --time-budget-s "${BENCH_BUDGET_S:-240}" 2>&1 \
+      | tee "$OUT/epilogue.log" | tail -n 60 || status=1
     ;;
   hostcost)
     echo "== host time per call"

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One lease of the GPU machine, planned as a few long calls (device time is the scarce thing).
+# Each call is one of:
+#   scripts/gpu_session.sh first    vLLM's install in the background while the kernel's GPU tests,
+#                                   a compute-sanitizer memcheck of the new cases and the host-cost
+#                                   probe run on the image's torch 2.11 / Triton 3.6; then the GPU
+#                                   integration tests inside vLLM (torch 2.14 / Triton 3.8)
+#   scripts/gpu_session.sh e2e      the end-to-end benchmark, bf16 KV cache (gpu_vllm_check.sh e2e1)
+#   scripts/gpu_session.sh kernels  the kernel benchmark's epilogue section and the op 1 / op 2 shapes
+#                                   of issue 10 with vLLM's kernels (K3 included) as peers, then the
+#                                   launch tuner on issue 10's shapes, on torch 2.14 / Triton 3.8
+# The 22 carried vLLM pieces must be in /tmp/acc before "first" (scripts/pack_vllm_h200.sh --list).
+# Everything lands under $OUT; each call stays inside ${TOTAL_S:-585} seconds.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+TOTAL_S=${TOTAL_S:-585}
+SITE_DIR=${SITE_DIR:-/tmp/site}
+mkdir -p "$OUT"
+export OUT PYTHONUNBUFFERED=1
+left() { echo $((TOTAL_S - SECONDS)); }
+status=0
+
+case ${1:-} in
+first)
+  TOTAL_S=$(left) scripts/gpu_vllm_check.sh install >"$OUT/install_stage.log" 2>&1 &
+  install_pid=$!
+  # The kernel on the image's own torch/Triton (no PYTHONPATH to the carried stack).
+  timeout 200 scripts/gpu_check.sh tests || status=1
+  SANITIZE_SELECTION=${SANITIZE_SELECTION:-"sanitize_core or past_the_cache"} \
+    timeout 100 scripts/gpu_check.sh memcheck || status=1
+  timeout 40 scripts/gpu_check.sh hostcost || status=1
+  wait "$install_pid" || { echo "install failed:"; tail -n 20 "$OUT/install_stage.log"; exit 1; }
+  tail -n 3 "$OUT/install_stage.log"
+  TOTAL_S=$(left) scripts/gpu_vllm_check.sh env tests || status=1
+  ;;
+e2e)
+  TOTAL_S=$(left) scripts/gpu_vllm_check.sh e2e1 || status=1
+  ;;
+kernels)
+  export PYTHONPATH=$SITE_DIR
+  BENCH_BUDGET_S=${BENCH_BUDGET_S:-230} timeout 330 scripts/gpu_check.sh epilogue || status=1
+  timeout $(( $(left) - 20 )) scripts/gpu_check.sh hostcost tune || status=1
+  ;;
+*)
+  echo "usage: scripts/gpu_session.sh first|e2e|kernels"; exit 2 ;;
+esac
+echo "==== gpu_session $1: ${SECONDS}s, status $status"
+# At most 8 files come back from a call: everything goes into one archive (results, logs,
+# plots), and the summary logs stay beside it for a first look.
+(cd "$OUT" && find . -type f ! -name "*.tgz" | sed 's|^\./||' | sort >files.txt \
+  && tar -czf "session_$1.tgz" -T files.txt && find . -mindepth 1 ! -name "session_$1.tgz" -delete)
+ls -la "$OUT"
+exit $status
