@@ -4,6 +4,14 @@ Fresh random data per case (never zeros), caches filled with random canary
 bytes, strided views into larger parents, padding slots (-1) at random places,
 index tensors longer than T whose extra entries point at real rows (they must
 be ignored).
+
+Layout options beyond vLLM's own (the ops accept any strides, so each must be
+exercised): ``inner_stride`` gives the named tensors a last-dim stride of 2 (a
+view at offset 1 into a canary-filled parent twice as wide, whose other bytes
+are checked), ``transposed`` stores them with their first two dims swapped
+(ql_nope as a per-head bmm output, column-major cos/sin), ``kv_c_3d``/``k_pe_3d``
+use the ``[T, 1, X]`` rank, and ``guard_rows`` puts canary rows after the cache
+inside its allocation, so a write past the cache's capacity is seen.
 """
 
 from __future__ import annotations
@@ -13,19 +21,50 @@ import torch
 from .mla_reference import Case
 
 
-def _cache_tensor(gen, num_blocks, block_size, width, cache_dtype, block_pad):
-    """A canary-filled cache ``[num_blocks, block_size, width]`` whose block stride may be padded."""
-    storage = torch.uint8 if cache_dtype == torch.uint8 else cache_dtype
-    itemsize = storage.itemsize
-    per_block = block_size * width + block_pad
-    raw = torch.randint(0, 256, (num_blocks * per_block * itemsize,), dtype=torch.uint8, generator=gen)
-    if storage in (torch.float32, torch.float16, torch.bfloat16):
+# Tensors that may be given a non-default layout, and which of them the ops write.
+LAYOUT_NAMES = ("positions", "slot_mapping", "q_pe", "k_pe", "kv_c", "cos_sin_cache", "kv_cache", "kv_cache_scale",
+                "ql_nope", "q_out", "q_scale")  # fmt: skip
+
+
+def _canary(gen, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """``numel`` random values of ``dtype``: finite floats, random bytes for fp8/uint8, random ints."""
+    if dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         # Random finite values (random bytes could be NaN, which is fine for byte
         # checks but makes failure messages unreadable).
-        raw = torch.randn(num_blocks * per_block, generator=gen).to(storage).view(torch.uint8)
-    parent = raw.view(storage).view(num_blocks, per_block)
+        return torch.randn(numel, generator=gen).to(dtype)
+    if dtype.itemsize == 1:
+        return torch.randint(0, 256, (numel,), dtype=torch.uint8, generator=gen).view(dtype)
+    return torch.randint(-(2**20), 2**20, (numel,), generator=gen).to(dtype)
+
+
+def _cache_tensor(gen, num_blocks, block_size, width, cache_dtype, block_pad, guard_rows=0):
+    """A canary-filled cache ``[num_blocks, block_size, width]`` whose block stride may be padded,
+    followed in its allocation by ``guard_rows`` canary rows."""
+    per_block = block_size * width + block_pad
+    parent = _canary(gen, num_blocks * per_block + guard_rows * width, cache_dtype)
     cache = parent.as_strided((num_blocks, block_size, width), (per_block, width, 1))
     return parent, cache
+
+
+def _relayout(gen, t: torch.Tensor, how: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(parent, view)``: a copy of ``t`` as a view into a fresh canary-filled ``parent``.
+
+    ``"inner_stride"``: last-dim stride 2, starting one element into the parent, so that a
+    kernel ignoring the stride or the storage offset reads (or writes) canary elements.
+    ``"transposed"``: the first two dims swapped in memory.
+    """
+    if how == "inner_stride":
+        shape = (*t.shape[:-1], 2 * t.shape[-1] + 1)
+        parent = _canary(gen, torch.Size(shape).numel(), t.dtype).view(shape)
+        view = parent[..., 1::2]
+    elif how == "transposed":
+        parent = _canary(gen, t.numel(), t.dtype).view(t.transpose(0, 1).shape)
+        view = parent.transpose(0, 1)
+    else:
+        raise ValueError(how)
+    assert view.shape == t.shape
+    view.copy_(t)
+    return parent, view
 
 
 def make_case(
@@ -54,6 +93,10 @@ def make_case(
     q_scale: float | None = None,
     is_nope_first: bool = True,
     spare_blocks: int = 2,
+    kv_c_3d: bool = False,
+    inner_stride: tuple[str, ...] = (),
+    transposed: tuple[str, ...] = (),
+    guard_rows: int = 0,
     device: str | torch.device = "cpu",
     seed: int = 0,
 ) -> Case:
@@ -76,6 +119,8 @@ def make_case(
         q_pe, k_pe, kv_c = randn(T, H, R), randn(T, R), randn(T, L)
     if k_pe_3d:
         k_pe = k_pe.unsqueeze(1)
+    if kv_c_3d:
+        kv_c = kv_c.unsqueeze(1)
 
     # Rows of [cos | sin] with realistic magnitudes (|cos|, |sin| <= 1, some mscale).
     angles = torch.rand(max_pos, R // 2, generator=gen) * 6.3
@@ -96,8 +141,8 @@ def make_case(
     if pad_every and T:
         start = int(torch.randint(0, pad_every, (), generator=gen))
         slots[start:T:pad_every] = -1
-    parent_cache, kv_cache = _cache_tensor(gen, num_blocks, block_size, L + R, cache_dtype, block_pad)
-    if block_pad:
+    parent_cache, kv_cache = _cache_tensor(gen, num_blocks, block_size, L + R, cache_dtype, block_pad, guard_rows)
+    if block_pad or guard_rows:
         parents["kv_cache"] = parent_cache
 
     case = Case(
@@ -122,6 +167,14 @@ def make_case(
         case.q_out = raw.view(q_out_dtype).view(T, H, L + R)
         case.q_scale = None if q_scale is None else torch.tensor([q_scale], dtype=torch.float32)
         case.is_nope_first = is_nope_first
+    for how, names in (("inner_stride", inner_stride), ("transposed", transposed)):
+        for name in names:
+            assert name in LAYOUT_NAMES, name
+            t = getattr(case, name)
+            if t is None:
+                continue
+            case.parents[name], view = _relayout(gen, t, how)
+            setattr(case, name, view)
     return to_device(case, device)
 
 
@@ -133,15 +186,16 @@ def to_device(case: Case, device) -> Case:
     moved = {}
     for name, parent in case.parents.items():
         moved[name] = parent.to(device)
-    for name in ("positions", "kv_c", "cos_sin_cache", "slot_mapping", "kv_cache_scale", "ql_nope", "q_out",
-                 "q_scale", "q_pe", "k_pe", "kv_cache"):  # fmt: skip
+    # A view moves with the parent that owns its storage (kv_c shares k_pe's), keeping its strides.
+    owner = {parent.untyped_storage().data_ptr(): name for name, parent in case.parents.items()}
+    for name in LAYOUT_NAMES:
         t = getattr(case, name)
         if t is None:
             continue
-        if name in moved:
-            setattr(case, name, moved[name].as_strided(t.shape, t.stride(), t.storage_offset()))
-        elif name == "kv_c" and "k_pe" in moved:
-            setattr(case, name, moved["k_pe"].as_strided(t.shape, t.stride(), t.storage_offset()))
+        key = owner.get(t.untyped_storage().data_ptr())
+        if key is not None:
+            # Parents are fresh tensors (storage offset 0), so the view's offsets carry over.
+            setattr(case, name, moved[key].as_strided(t.shape, t.stride(), t.storage_offset()))
         else:
             setattr(case, name, t.to(device))
     case.parents = moved
