@@ -201,3 +201,86 @@ def to_device(case: Case, device) -> Case:
     case.parents = moved
     case.snapshot()
     return case
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2)
+
+
+def fp8_near_ties(dtype: torch.dtype, scale: float, steps: int = 3) -> torch.Tensor:
+    """float32 values ``x`` whose quotient ``x / scale`` lies on, or within ``steps`` float32 steps
+    of, a rounding boundary of ``dtype`` (the midpoint between two neighbouring finite values),
+    for every boundary in range.
+
+    A rounding that is merely within one float32 ulp of ``x / scale`` (the reciprocal without
+    its residual step, a truncating division) or that breaks ties the wrong way changes the
+    stored code of some of these; correct rounding of ``x / scale``, then to nearest even,
+    matches torch on all of them. When ``scale`` has few significant bits (2.5), ``x / scale``
+    hits the midpoints exactly: true ties.
+    """
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    finite = codes[torch.isfinite(codes)].unique()  # sorted
+    mids = (finite[1:].double() + finite[:-1].double()) / 2
+    x = (mids * torch.tensor(scale, dtype=torch.float32).double()).float()
+    out, up, down = [x], x, x
+    for _ in range(steps):
+        up, down = torch.nextafter(up, torch.tensor(float("inf"))), torch.nextafter(down, torch.tensor(-float("inf")))
+        out += [up, down]
+    return torch.cat(out)
+
+
+def scaled_fp8_case(dtype: torch.dtype, scale: float, *, T: int, H: int, L: int, R: int, device="cpu", seed=0):
+    """A decode case whose fp8 cache and q_out (both ``dtype``, both scaled by ``scale``) receive
+    the near-tie values of :func:`fp8_near_ties` in every stored part, latent and rotated.
+
+    cos/sin are the identity rotation (cos 1, sin 0): the rotated values are then exactly the
+    inputs (``x1 * 1 - x2 * 0``, fused or not), so the rope parts must be bit-exact too.
+    Zeros and non-finite values go only into the latent parts (0 * inf is NaN, and -0 - 0 is +0).
+    """
+    case = make_case(T=T, H=H, L=L, R=R, decode=True, act_dtype=torch.float32, cache_dtype=dtype, scale=scale,
+                     q_out_dtype=dtype, q_scale=scale, pad_every=0, strided=False, seed=seed)  # fmt: skip
+    gen = torch.Generator().manual_seed(seed + 1)
+    ties = fp8_near_ties(dtype, scale)
+    fmax = torch.finfo(dtype).max
+    special = torch.tensor([0.0, -0.0, 1e-30, -1e-30, fmax * scale * 1.01, -fmax * scale * 3, 1e30, -1e30,
+                            float("inf"), -float("inf")])  # fmt: skip
+
+    def fill(t: torch.Tensor, latent: bool) -> None:
+        flat = t.reshape(-1)
+        vals = torch.cat((special, ties)) if latent else ties
+        vals = vals[torch.randperm(vals.numel(), generator=gen)]
+        # Past the crafted values: random magnitudes over the whole fp8 range and beyond.
+        rest = torch.randn(flat.numel(), generator=gen) * torch.exp2(torch.randint(-12, 10, (flat.numel(),),
+                                                                                   generator=gen).float())  # fmt: skip
+        rest[: min(vals.numel(), flat.numel())] = vals[: flat.numel()]
+        if not latent:
+            rest[rest == 0] = 1.0
+        flat.copy_(rest.to(flat.device))
+
+    for name, latent in (("kv_c", True), ("ql_nope", True), ("k_pe", False), ("q_pe", False)):
+        fill(getattr(case, name), latent)
+    half = R // 2
+    max_pos = case.cos_sin_cache.shape[0]
+    case.cos_sin_cache = torch.cat((torch.ones(max_pos, half), torch.zeros(max_pos, half)), -1).to(device)
+    case.snapshot()
+    return case
+
+
+def out_of_range_slot_case(*, T: int = 7, H: int = 2, block_size: int, index_dtype: torch.dtype, far: bool = True,
+                           **kw):  # fmt: skip
+    """``(case, capacity)``: a cache that is a view into a larger buffer with canary rows after
+    it (checked through its parent), and slot_mapping ``[0, capacity, 5, capacity + 2, 10**9,
+    capacity - 1, huge, ...]``. Entries at or past the capacity must write nothing: neither into
+    the guard rows nor anywhere past the allocation (10**9 and ``huge`` are far beyond it).
+    ``far=False`` keeps every bad slot inside the guard rows, so that an unguarded kernel fails
+    an assertion instead of crashing the process."""
+    guard_rows = 3 * block_size + 4
+    case = make_case(T=T, H=H, block_size=block_size, index_dtype=index_dtype, pad_every=0, guard_rows=guard_rows,
+                     **kw)  # fmt: skip
+    cap = case.kv_cache.shape[0] * case.kv_cache.shape[1]
+    huge = 2**31 - 1 if index_dtype == torch.int32 else 2**62
+    far_slots = (10**9, huge) if far else (cap + 1, cap + guard_rows // block_size - 1)
+    bad = torch.tensor([0, cap, 5, cap + 2, far_slots[0], cap - 1, far_slots[1]], dtype=index_dtype)
+    n = min(T, bad.numel())
+    case.slot_mapping[:n] = bad[:n].to(case.slot_mapping.device)
+    case.snapshot()
+    return case, cap

@@ -247,3 +247,24 @@ def check_decode_rope_cache_write(case: Case) -> None:
     assert_close_to_ref(rope, q_rot, q_mag, "q_out rope part", q_scale)
     _check_cache(case, k_rot, k_mag)
     _check_parents(case)
+
+
+def check_identity_rope_stores(case: Case) -> None:
+    """With cos 1 and sin 0 the rotation is exact, so the rope parts of the written cache rows and
+    of q_out must be byte-identical to torch's conversion of k_pe and q_pe themselves."""
+    T, H, R = case.q_pe.shape
+    L = case.kv_c.shape[-1]
+    cache = _cpu(case.kv_cache)
+    f8 = fp8_dtype_of(cache, case.kv_cache_dtype)
+    nb, bs = cache.shape[:2]
+    slots = _cpu(case.slot_mapping)[:T].long()
+    keep = (slots >= 0) & (slots < nb * bs)
+    rows = cache[slots[keep] // bs, slots[keep] % bs]
+    rows = rows.view(f8) if f8 is not None and rows.dtype == torch.uint8 else rows
+    k_pe = _cpu(case.originals["k_pe"]).reshape(T, R)[keep]
+    assert_bytes_equal(rows[:, L:], stored_copy(k_pe, rows.dtype, _cpu(case.kv_cache_scale)), "kv_cache rope part")
+    if case.q_out is not None:
+        q_out = _cpu(case.q_out)
+        rope = q_out[..., L:] if case.is_nope_first else q_out[..., :R]
+        want = stored_copy(_cpu(case.originals["q_pe"]), q_out.dtype, _cpu(case.q_scale))
+        assert_bytes_equal(rope, want, "q_out rope part")

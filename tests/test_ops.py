@@ -13,8 +13,8 @@ import torch
 import vllm_mla_fusion as mla
 
 from .conftest import OP_BACKENDS
-from .mla_cases import make_case
-from .mla_reference import check_decode_rope_cache_write, check_rope_cache_write
+from .mla_cases import FP8_DTYPES, LAYOUT_NAMES, fp8_near_ties, make_case, out_of_range_slot_case, scaled_fp8_case
+from .mla_reference import check_decode_rope_cache_write, check_identity_rope_stores, check_rope_cache_write
 
 # (T, H): decode-sized, prefill-sized and odd shapes.
 SIZES = [(1, 1), (2, 16), (5, 3), (8, 128), (37, 3), (64, 16)]
@@ -82,6 +82,13 @@ def test_rope_cache_write_dtypes(backend, cache_dtype, kv_cache_dtype, scale, ac
         dict(L=16, R=128),
         dict(L=512, R=64, T=3, H=4),  # DeepSeek dims
         dict(R=2, L=32),
+        # Latent wider than one tile (BLOCK_L is capped at 512): the kernel's tail loop.
+        dict(L=640, R=64, T=3, H=2),
+        dict(L=1024, R=16, T=2, H=2, cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.3),
+        # Both documented ranks of kv_c and k_pe.
+        dict(kv_c_3d=True),
+        dict(kv_c_3d=True, k_pe_3d=True),
+        dict(kv_c_3d=True, k_pe_3d=True, strided=False, T=1),
     ],
     ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()),
 )
@@ -132,6 +139,11 @@ def test_decode_dtypes(backend, cache_dtype, kv_cache_dtype, scale, q_out_dtype,
         dict(strided=False, k_pe_3d=True, cs_dtype=torch.bfloat16),
         dict(L=48, R=10, is_neox=True),
         dict(L=512, R=64, T=2, H=16),
+        dict(L=640, R=64, T=3, H=2),
+        dict(L=1024, R=16, T=2, H=3, cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.3,
+             q_out_dtype=torch.float8_e4m3fn, q_scale=0.4),
+        dict(kv_c_3d=True),
+        dict(kv_c_3d=True, k_pe_3d=True, is_nope_first=False),
     ],
     ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()),
 )
@@ -139,6 +151,97 @@ def test_decode_layouts(backend, layout):
     layout = {"T": 9, "H": 2, **layout}
     case = make_case(decode=True, seed=3, **layout)
     _run_decode(case, backend)
+
+
+# (tensor, relayout) for every tensor argument: a last-dim stride of 2 at an odd offset into a
+# wider parent, or the first two dims swapped in memory (column-major cos/sin, ql_nope as a
+# per-head bmm output, a head-major q_out, a block-minor cache).
+RELAYOUTS = [(name, "inner_stride") for name in LAYOUT_NAMES] + [
+    (name, "transposed") for name in ("q_pe", "k_pe", "kv_c", "cos_sin_cache", "kv_cache", "ql_nope", "q_out")
+]
+# bf16 throughout, and fp8 cache and q_out with scales (which the scale relayouts need to matter).
+STORE_KINDS = {
+    "bf16": dict(),
+    "fp8": dict(cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.37, q_out_dtype=torch.float8_e4m3fn, q_scale=0.7),
+}
+
+
+# Only combinations that mean something: op 1 has no ql_nope/q_out/q_scale, a scale is read only
+# for fp8 outputs.
+RELAYOUT_CASES = [
+    (decode, store, name, how)
+    for decode in (False, True)
+    for store in STORE_KINDS
+    for name, how in RELAYOUTS
+    if (decode or name not in ("ql_nope", "q_out", "q_scale")) and (store == "fp8" or not name.endswith("scale"))
+]
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@pytest.mark.parametrize(
+    "decode,store,name,how", RELAYOUT_CASES,
+    ids=[f"{'decode' if d else 'rope_cache_write'}-{s}-{n}-{h}" for d, s, n, h in RELAYOUT_CASES],
+)  # fmt: skip
+def test_every_tensor_in_any_layout(backend, decode, store, name, how):
+    """Each tensor argument with a non-unit inner stride (or non-contiguous), one at a time:
+    results as specified, and the parent's bytes around the view untouched."""
+    kw = dict(STORE_KINDS[store])
+    if not decode:
+        kw.pop("q_out_dtype", None), kw.pop("q_scale", None)
+    case = make_case(T=7, H=3, decode=decode, seed=RELAYOUTS.index((name, how)), **{how: (name,)}, **kw)
+    t = getattr(case, name)
+    assert not t.is_contiguous() or t.numel() <= 1 and t.storage_offset() == 1, f"{name} was not relaid out"
+    (_run_decode if decode else _run_rope)(case, backend)
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@pytest.mark.parametrize("decode", [False, True], ids=["rope_cache_write", "decode"])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=str)
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+@pytest.mark.parametrize("far", [False, True], ids=["in_guard_rows", "far_past"])
+def test_slots_past_the_cache_write_nothing(backend, decode, index_dtype, block_size, cache, far):
+    """A slot >= num_blocks * block_size is treated like a negative slot: no write, no crash, and
+    the rest of the batch (its q/k rotation, q_out, the in-range rows) unaffected."""
+    kw = STORE_KINDS[cache] if decode else {k: v for k, v in STORE_KINDS[cache].items() if not k.startswith("q_")}
+    case, cap = out_of_range_slot_case(decode=decode, block_size=block_size, index_dtype=index_dtype, far=far,
+                                       seed=block_size + index_dtype.itemsize, **kw)  # fmt: skip
+    (_run_decode if decode else _run_rope)(case, backend)  # checks the guard rows through the parent
+    rows = case.kv_cache.view(-1, case.kv_cache.shape[-1]) if case.kv_cache.is_contiguous() else None
+    if rows is not None:  # the in-range slots really were written (not left as canary)
+        before = case.originals["kv_cache"].view(rows.shape)
+        for slot in (0, 5, cap - 1):
+            assert not torch.equal(rows[slot], before[slot]), f"slot {slot} was not written"
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@pytest.mark.parametrize("decode", [False, True], ids=["rope_cache_write", "decode"])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=str)
+def test_addressing_past_2_to_the_31_elements(backend, decode, index_dtype):
+    """A bf16 cache of more than 2**31 elements written near its end: slot arithmetic must be
+    64-bit. ~4.3 GB allocated with torch.empty, but only the touched pages become resident
+    (about 1 GB with the interpreter), so this runs on a CPU in a few seconds."""
+    L, R, bs = 512, 64, 64
+    num_blocks = (2**31 // (bs * (L + R))) + 8
+    kv_cache = torch.empty(num_blocks, bs, L + R, dtype=torch.bfloat16)
+    assert kv_cache.numel() > 2**31
+    T, H = 4, 2
+    case = make_case(T=T, H=H, L=L, R=R, block_size=bs, pad_every=0, decode=decode, seed=5)
+    last = num_blocks * bs - 1
+    slots = torch.tensor([last - 3 * i for i in range(T)], dtype=index_dtype)
+    flat = kv_cache.view(-1, L + R)
+    canary = {r: float(i + 2) for i, r in enumerate((0, 1, last - 1, last - 2, last - 4, last - 5))}
+    for r, v in canary.items():
+        flat[r].fill_(v)
+    args = (case.positions, case.q_pe, case.k_pe, case.kv_c, case.cos_sin_cache, False, slots, kv_cache)
+    if decode:
+        mla.mla_decode_rope_cache_write(args[0], case.ql_nope, *args[1:], case.q_out, backend=backend)
+    else:
+        mla.mla_rope_cache_write(*args, backend=backend)
+    rows = flat[slots.long()]
+    assert torch.equal(rows[:, :L], case.kv_c), "rows near the end of the cache hold kv_c"
+    for r, v in canary.items():  # neighbours, and the start a wrapped 32-bit index would hit
+        assert (flat[r] == v).all(), f"row {r} changed"
 
 
 @pytest.mark.parametrize("backend", OP_BACKENDS)
@@ -212,3 +315,30 @@ def test_fp8_rounding_matches_torch_bit_for_bit(backend, dtype):
         f"{mismatch.numel()} fp8 codes differ, e.g. x={case.kv_c.reshape(-1)[mismatch[:4]].tolist()} "
         f"got {got[mismatch[:4]].view(torch.uint8).tolist()} want {want[mismatch[:4]].view(torch.uint8).tolist()}"
     )
+
+
+# 0.37 and 1/3: the reciprocal product rounds to the other side of a boundary for dozens of the
+# near-tie values (asserted below); 2.5 has few significant bits, so x / 2.5 hits ties exactly.
+SCALES = [0.37, 1 / 3, 2.5]
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=str)
+@pytest.mark.parametrize("scale", SCALES, ids=lambda s: f"{s:.3g}")
+def test_scaled_fp8_stores_match_torch_bit_for_bit(backend, dtype, scale):
+    """With a scale, every fp8 store (cache latent and rope parts, q_out nope and rope parts) is
+    byte-identical to torch's saturate(x / scale) with the float32 division, on values whose
+    quotient is on or next to an fp8 rounding boundary. (The interpreter's fma is made exact by
+    tests/exact_interpreter.py, so this runs the kernel's reciprocal + residual algorithm as a GPU
+    does; test_gpu.py repeats it on the GPU.)"""
+    x = fp8_near_ties(dtype, scale)
+    s = torch.tensor(scale, dtype=torch.float32)
+    fmax = torch.finfo(dtype).max
+    exact = (x / s).clamp(-fmax, fmax).to(dtype).view(torch.uint8)
+    if scale == 2.5:
+        assert ((x.double() / s.double()) == (x / s).double()).sum() >= 100, "2.5 must give exact ties"
+    else:  # the values distinguish a correctly rounded quotient from the bare reciprocal product
+        assert ((x * (1 / s)).clamp(-fmax, fmax).to(dtype).view(torch.uint8) != exact).sum() >= 20
+    case = scaled_fp8_case(dtype, scale, T=4, H=2, L=512, R=16, seed=31)
+    _run_decode(case, backend)  # latent parts byte-exact, rope within one rounding
+    check_identity_rope_stores(case)  # rope parts byte-exact too
