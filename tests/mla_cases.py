@@ -281,6 +281,10 @@ def out_of_range_slot_case(*, T: int = 7, H: int = 2, block_size: int, index_dty
     far_slots = (10**9, huge) if far else (cap + 1, cap + guard_rows // block_size - 1)
     bad = torch.tensor([0, cap, 5, cap + 2, far_slots[0], cap - 1, far_slots[1]], dtype=index_dtype)
     n = min(T, bad.numel())
-    case.slot_mapping[:n] = bad[:n].to(case.slot_mapping.device)
+    # The other entries: distinct valid slots, none of the three the bad list writes.
+    pool = torch.tensor([s for s in range(cap) if s not in (0, 5, cap - 1)], dtype=index_dtype)
+    gen = torch.Generator().manual_seed(kw.get("seed", 0) + 7)
+    rest = pool[torch.randperm(pool.numel(), generator=gen)][: case.slot_mapping.numel() - n]
+    case.slot_mapping.copy_(torch.cat((bad[:n], rest)).to(case.slot_mapping.device))
     case.snapshot()
     return case, cap

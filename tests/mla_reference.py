@@ -146,6 +146,8 @@ class Case:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
+    if t.numel() == 0:  # an empty strided view stays "contiguous" with its strides, which view() refuses
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
     return t.contiguous().view(torch.uint8)
 
 

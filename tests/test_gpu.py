@@ -1,4 +1,5 @@
-"""The op matrix on a real GPU at DeepSeek-V3 sizes, CUDA-graph capture/replay, 64-bit addressing.
+"""The op matrix on a real GPU at DeepSeek-V3 sizes, CUDA-graph capture/replay, 64-bit addressing,
+slots past the cache, every tensor layout, and bit-exact scaled fp8 stores.
 
 Marked ``gpu``: skipped (with the reason) on machines without one. Run on an
 H200 by scripts/gpu_check.sh.
@@ -14,8 +15,12 @@ import vllm_mla_fusion as mla
 pytest.importorskip("triton", reason="the GPU tests run the Triton kernel")
 from vllm_mla_fusion.backends import triton as triton_backend  # noqa: E402
 
-from .mla_cases import make_case  # noqa: E402
-from .mla_reference import check_decode_rope_cache_write, check_rope_cache_write  # noqa: E402
+from .mla_cases import FP8_DTYPES, make_case, out_of_range_slot_case, scaled_fp8_case  # noqa: E402
+from .mla_reference import (  # noqa: E402
+    check_decode_rope_cache_write,
+    check_identity_rope_stores,
+    check_rope_cache_write,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -155,6 +160,81 @@ def test_addressing_past_2_to_the_31_elements():
     torch.testing.assert_close(rows[:, :L], case.kv_c.to(torch.bfloat16), rtol=0, atol=0)
     # Rows between the written ones still hold the canary, and the start was not hit by a wrapped index.
     assert (flat[last - 1] == 7.0).all() and (kv_cache[0] == 3.0).all()
+
+
+# (op, block size, index dtype, store kind): both ops, both block sizes, both index dtypes and
+# both store kinds, pairwise, so that compute-sanitizer runs them all in a few seconds.
+SLOT_CASES = [(False, 1, torch.int64, "bf16"), (True, 64, torch.int32, "fp8"), (False, 64, torch.int32, "fp8"),
+              (True, 1, torch.int64, "bf16")]  # fmt: skip
+
+
+@pytest.mark.parametrize("decode,block_size,index_dtype,store", SLOT_CASES, ids=str)
+def test_out_of_range_slots_write_nothing(decode, block_size, index_dtype, store):
+    """slot_mapping [0, capacity, 5, capacity + 2, 10**9, capacity - 1, huge, random valid...]:
+    the slots at or past the cache's capacity write nothing (canary rows after the cache stay
+    byte-identical; scripts/gpu_check.sh's memcheck sees no access past the allocation), the
+    rest of the batch is as specified."""
+    kw = dict(cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.37) if store == "fp8" else {}
+    if decode and store == "fp8":
+        kw.update(q_out_dtype=torch.float8_e4m3fn, q_scale=0.7)
+    case, cap = out_of_range_slot_case(T=40, H=16, block_size=block_size, index_dtype=index_dtype, decode=decode,
+                                       device="cuda", seed=block_size, **DSV3, **kw)  # fmt: skip
+    if decode:
+        mla.mla_decode_rope_cache_write(*case.decode_args(), backend="triton")
+        check_decode_rope_cache_write(case)
+    else:
+        mla.mla_rope_cache_write(*case.rope_args(), backend="triton")
+        check_rope_cache_write(case)
+
+
+# Layouts the CPU tests cover one tensor at a time, here grouped at DeepSeek-V3 sizes: on a GPU
+# Triton specializes unit strides, so a non-unit stride compiles a different kernel.
+GPU_LAYOUTS = [
+    dict(inner_stride=("positions", "slot_mapping", "q_pe", "k_pe", "kv_c", "cos_sin_cache", "ql_nope", "q_out")),
+    dict(transposed=("q_pe", "cos_sin_cache", "ql_nope", "q_out")),
+    dict(inner_stride=("kv_cache",)),
+    dict(transposed=("kv_cache", "kv_c")),
+    dict(inner_stride=("kv_cache_scale", "q_scale"), cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.37,
+         q_out_dtype=torch.float8_e4m3fn, q_scale=0.7),
+    dict(kv_c_3d=True, k_pe_3d=True),
+    dict(L=640),
+    dict(L=1024, cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.37, q_out_dtype=torch.float8_e4m3fn,
+         q_scale=0.7),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["rope_cache_write", "decode"])
+@pytest.mark.parametrize("layout", GPU_LAYOUTS, ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
+def test_layouts_dsv3(decode, layout):
+    layout = {**DSV3, **layout}
+    if not decode:
+        layout = {k: v for k, v in layout.items() if k not in ("q_out_dtype", "q_scale")}
+        layout = {k: v if k not in ("inner_stride", "transposed") else tuple(n for n in v if n not in
+                  ("ql_nope", "q_out", "q_scale")) for k, v in layout.items()}  # fmt: skip
+    case = make_case(T=33, H=16, decode=decode, device="cuda", seed=17, **layout)
+    if decode:
+        mla.mla_decode_rope_cache_write(*case.decode_args(), backend="triton")
+        check_decode_rope_cache_write(case)
+    else:
+        mla.mla_rope_cache_write(*case.rope_args(), backend="triton")
+        check_rope_cache_write(case)
+
+
+@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=str)
+@pytest.mark.parametrize("scale", [0.37, 1 / 3, 2.5], ids=lambda s: f"{s:.3g}")
+@pytest.mark.parametrize("native", [True, False], ids=["native_conversion", "bit_encoder"])
+def test_scaled_fp8_stores_are_bit_exact(monkeypatch, dtype, scale, native):
+    """Every scaled fp8 store (cache latent and rope parts, q_out nope and rope parts) is
+    byte-identical to torch's saturate(x / scale) on the GPU (float32 division), over random
+    inputs and crafted near-ties and ties of the fp8 grid (tests/mla_cases.py, fp8_near_ties),
+    through the GPU's fp8 conversion and through the kernel's bit encoder. Identity cos/sin make
+    the rotated values exact, so the rope parts are compared bit for bit too."""
+    if not native:
+        monkeypatch.setattr(triton_backend, "_native_fp8_ok", lambda device, dtype: False)
+    case = scaled_fp8_case(dtype, scale, T=64, H=16, L=512, R=64, device="cuda", seed=41)
+    mla.mla_decode_rope_cache_write(*case.decode_args(), backend="triton")
+    check_decode_rope_cache_write(case)  # latent parts byte-exact
+    check_identity_rope_stores(case)
 
 
 SANITIZE_CASES = [
