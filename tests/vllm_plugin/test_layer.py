@@ -21,6 +21,8 @@ import copy
 import pytest
 import torch
 
+from vllm_mla_fusion import dispatch
+
 from . import harness as H
 
 pytest.importorskip("vllm")
@@ -101,7 +103,9 @@ def layer_pair(vllm_cpu, plugin_off, monkeypatch, request):
     """(vLLM's layer, the plugin's layer) with the same random weights and canary-filled caches."""
     from vllm_mla_fusion.vllm_plugin import register
 
-    mode, q_lora_rank = request.param
+    mode, q_lora_rank, *backend = request.param
+    if backend:  # read when the layer is built (eligibility.load_backend) and at every call (dispatch)
+        monkeypatch.setenv("VLLM_MLA_FUSION_BACKEND", backend[0])
     hf_config = copy.copy(vllm_cpu.model_config.hf_config)
     hf_config.q_lora_rank = q_lora_rank
     off = vllm_cpu.build_attention(hf_config)
@@ -121,18 +125,38 @@ def layer_pair(vllm_cpu, plugin_off, monkeypatch, request):
 
 @pytest.mark.parametrize("layer_pair", LAYOUTS, ids=LAYOUT_IDS, indirect=True)
 def test_schedule_matches_vllm(vllm_cpu, layer_pair, monkeypatch):
+    from vllm_mla_fusion.backends import reference
+
+    _run_schedule(vllm_cpu, layer_pair, monkeypatch, reference)
+
+
+# The same schedule once with the Triton kernel (in the interpreter on a CPU): the plugin's calls
+# reach the kernel with vLLM's real strides, slot mappings and padding (decode mode runs both
+# ops, rope_cache mode op 1 over the padded batch). About 4 s each.
+@pytest.mark.parametrize("layer_pair", [("decode", 1536, "triton"), ("rope_cache", 1536, "triton")],
+                         ids=["decode-triton", "rope_cache-triton"], indirect=True)  # fmt: skip
+def test_schedule_matches_vllm_with_the_triton_kernel(vllm_cpu, layer_pair, monkeypatch):
+    if not dispatch.triton_interpreting() and not torch.cuda.is_available():
+        raise AssertionError("tests/conftest.py runs Triton in its interpreter on a CPU; TRITON_INTERPRET is off")
+    from vllm_mla_fusion.backends import reference
+    from vllm_mla_fusion.backends import triton as triton_backend
+
+    untouched = [Counter(monkeypatch, reference, name) for name in ("rope_cache_write", "decode_rope_cache_write")]
+    _run_schedule(vllm_cpu, layer_pair, monkeypatch, triton_backend)
+    assert take_all(untouched) == 0, "the torch backend ran instead of the Triton kernel"
+
+
+def _run_schedule(vllm_cpu, layer_pair, monkeypatch, backend_module):
     off, on = layer_pair
     mode = on.mla_attn.fusion_mode
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
-
-    from vllm_mla_fusion.backends import reference
 
     # vLLM caches rope modules by parameters, so both layers may share one.
     ropes = {id(a.rotary_emb): a.rotary_emb for a in (off, on)}
     rope_counters = [Counter(monkeypatch, rope, "forward") for rope in ropes.values()]
     vllm_cache_writes = Counter(monkeypatch, CPUMLAImpl, "do_kv_cache_update")
-    fused_rope_cache = Counter(monkeypatch, reference, "rope_cache_write")
-    fused_decode = Counter(monkeypatch, reference, "decode_rope_cache_write")
+    fused_rope_cache = Counter(monkeypatch, backend_module, "rope_cache_write")
+    fused_decode = Counter(monkeypatch, backend_module, "decode_rope_cache_write")
 
     caches = {name: H.mla_layer(a)[1].kv_cache for name, a in (("off", off), ("on", on))}
     builder = vllm_cpu.builder([H.mla_layer(a)[1].layer_name for a in (off, on)])
