@@ -5,7 +5,7 @@ One kernel serves both ops. Its 1-D grid has two kinds of program:
 - *cache programs* (the first ``n_cache_programs``), each taking ``BLOCK_T``
   tokens: load the position and slot, rotate ``k_pe`` (write it back in place
   for op 1), and store ``[kv_c | rope(k_pe)]`` into the token's cache row
-  unless the slot is negative;
+  unless the slot is negative or past the cache;
 - *query programs*, each taking ``BLOCK_ROWS`` (token, head) rows: op 1
   rotates ``q_pe`` in place; op 2 writes ``[ql_nope | rope(q_pe)]`` into
   ``q_out``.
