@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark the fused MLA RoPE + KV-cache write against its peers and the hardware floor.
 
-One command, three sections (docs/performance.md explains every column):
+One command, four sections (docs/performance.md explains every column):
 
 - ``sweep``: op 1 (``prefill``: q_pe/k_pe rotated in place + cache write) and
   op 2 (``decode``: query ``[ql_nope | rope(q_pe)]`` + cache write) over
@@ -12,6 +12,12 @@ One command, three sections (docs/performance.md explains every column):
 - ``decode-layer`` (issue 4): one DeepSeek-V3 MLA layer's decode-step q/k
   preparation, unfused chain vs op 2, batches 1..512, microseconds per layer
   per step and the ratio.
+- ``epilogue`` (issue 10): the prefill epilogue from ``kv_b_proj``'s output to
+  the attention key, the rotated q and the cache rows: op 3 (one launch)
+  against vLLM's chain (RoPE + cache write + key concat), our op 1 + a
+  ``torch.cat`` of the key, vLLM's fused CUDA op + the concat, and vLLM's
+  Kimi-K3 epilogue kernel where vLLM is importable; H 16/128, T 1..16384,
+  bf16 key, plus an fp8 key with an fp8 cache.
 
 Every implementation runs on identical inputs in the same process and is timed
 as a CUDA graph of many back-to-back calls with inputs rotated across several
@@ -65,9 +71,11 @@ DECODE_BATCHES = tuple(2**i for i in range(10))  # 1 .. 512
 DECODE_BATCHES_QUICK = (1, 4, 16, 64, 256)
 MIXED_SPLITS = ((16, 496), (64, 1984), (256, 7936))  # (decode tokens, prefill tokens)
 MIXED_SPLITS_QUICK = ((64, 1984),)
-SECTIONS = ("sweep", "mixed", "decode-layer")
-IMPLS = ("triton", "unfused", "torch_ref", "torch_compile", "aiter_triton", "vllm_fused", "flashinfer")
-PEERS = ("aiter_triton", "vllm_fused", "flashinfer")
+EPILOGUE_FP8_TOKENS = (1, 64, 1024, 4096, 16384)  # fp8 key + fp8 cache: a subset of T
+SECTIONS = ("sweep", "mixed", "decode-layer", "epilogue")
+IMPLS = ("triton", "unfused", "op1_cat", "triton_dense", "torch_ref", "torch_compile", "aiter_triton", "vllm_fused",
+         "vllm_k3", "flashinfer")  # fmt: skip
+PEERS = ("aiter_triton", "vllm_fused", "vllm_k3", "flashinfer")
 TORCH_IMPLS = ("torch_ref", "torch_compile")  # block-size independent: measured at the largest block size only
 
 # Non-trivial fp8 scales (stored = saturate(x / scale)); inputs are N(0, 1).
@@ -85,7 +93,13 @@ LABELS = {
     "aiter_triton": "AITER Triton fused_qk_rope_cat_and_cache_mla (amd-aiter wheel; decode, bf16 cache only "
     "on NVIDIA); CUDA graph",
     "vllm_fused": "vLLM CUDA concat_and_cache_mla_rope_fused (bf16 cos/sin) [+ concat_mla_q or the unfused "
-    "concat/quant kernel for decode]; CUDA graph",
+    "concat/quant kernel for decode; + torch.cat of the key for the epilogue]; CUDA graph",
+    "op1_cat": "epilogue: this project's op 1 then torch.cat(k_nope, k_pe) into the key (fp8 key: then a cast), "
+    "what the plugin ran before op 3; CUDA graph",
+    "triton_dense": "diagnostic: this project's op, but q_pe and k_pe dense tensors instead of vLLM's strided "
+    "views (same bytes, no 384-byte row stride): what the layout costs; CUDA graph",
+    "vllm_k3": "vLLM's Kimi-K3 epilogue kernel fused_kimi_k3_mla_key_concat_kv_cache_insert (RoPE of q in "
+    "place, key, cache row; bf16 only, bf16 cos/sin; does not write k_pe back); CUDA graph",
     "flashinfer": "FlashInfer rope_quantize_fp8_append_paged_kv_cache (decode, fp8 query and cache; "
     "index conversion outside the timed region); CUDA graph",
 }
@@ -97,6 +111,9 @@ SHORT = {
     "aiter_triton": "aiter",
     "vllm_fused": "vllm",
     "flashinfer": "flashinf",
+    "op1_cat": "op1+cat",
+    "triton_dense": "dense",
+    "vllm_k3": "k3",
 }
 
 
@@ -112,11 +129,13 @@ def log(msg: str = "") -> None:
 class Config:
     section: str  # "sweep" | "mixed" | "decode-layer"
     op: str  # "prefill" (op 1) | "decode" (op 2) | "mixed" (op 2 on the decode prefix + op 1 on the rest)
+    #          | "epilogue" (op 3: op 1 + the prefill attention key)
     H: int
     T: int  # tokens in the call (all of them for mixed)
     cache: str  # "bf16" | "fp8"
     block_size: int
     decode_tokens: int = 0  # tokens that get the decode query (T for decode, the prefix for mixed)
+    key: str = ""  # epilogue: element format of the key k_out, "bf16" | "fp8"
 
     @property
     def q_out(self) -> str | None:
@@ -125,7 +144,8 @@ class Config:
 
     def name(self) -> str:
         t = f"T={self.T}" if self.op != "mixed" else f"D={self.decode_tokens}+P={self.T - self.decode_tokens}"
-        return f"{self.section} {self.op} H={self.H} {t} {self.cache} bs={self.block_size}"
+        key = f" key={self.key}" if self.key else ""
+        return f"{self.section} {self.op} H={self.H} {t} {self.cache}{key} bs={self.block_size}"
 
 
 @dataclass(frozen=True)
@@ -137,19 +157,23 @@ class Dims:
     is_neox: bool
 
 
-def op_bytes(op: str, T: int, H: int, d: Dims, cache_elem: int, q_elem: int, act: int = 2) -> int:
+def op_bytes(op: str, T: int, H: int, d: Dims, cache_elem: int, q_elem: int, act: int = 2, key_elem: int = 2) -> int:
     """Bytes one call must move: each input read once, each output written once (peers-and-floors §7).
 
     Per token: positions + slot (int64, 16 B) and one fp32 cos/sin row (4R) are read;
     k_pe and kv_c are read; the cache row (L+R elements) is written. Op 1 also
     reads and writes q_pe (H*R) and writes k_pe back; op 2 reads ql_nope and
-    q_pe (H*(L+R)) and writes q_out (H*(L+R) at q_elem bytes).
+    q_pe (H*(L+R)) and writes q_out (H*(L+R) at q_elem bytes); op 3 (epilogue)
+    moves op 1's bytes plus k_nope read (H*P) and the key written (H*(P+R) at
+    key_elem bytes), P = q's nope head dim.
     """
     L, R = d.L, d.R
     common_read = act * R + act * L + 16 + 4 * R
     cache_row = (L + R) * cache_elem
-    if op == "prefill":
+    if op in ("prefill", "epilogue"):
         per_token = (act * R * H + common_read) + (act * R * H + act * R + cache_row)
+        if op == "epilogue":
+            per_token += act * d.nope * H + (d.nope + R) * H * key_elem
     elif op == "decode":
         per_token = (act * L * H + act * R * H + common_read) + ((L + R) * H * q_elem + cache_row)
     else:
@@ -163,7 +187,7 @@ def config_bytes(cfg: Config, d: Dims) -> int:
     if cfg.op == "mixed":
         D = cfg.decode_tokens
         return op_bytes("decode", D, cfg.H, d, ce, qe) + op_bytes("prefill", cfg.T - D, cfg.H, d, ce, qe)
-    return op_bytes(cfg.op, cfg.T, cfg.H, d, ce, qe)
+    return op_bytes(cfg.op, cfg.T, cfg.H, d, ce, qe, key_elem=1 if cfg.key == "fp8" else 2)
 
 
 def launches(impl: str, op: str) -> int | None:
@@ -172,9 +196,9 @@ def launches(impl: str, op: str) -> int | None:
         return 2 if op == "prefill" else 3
     if impl in TORCH_IMPLS:
         return None
-    if impl == "triton":
+    if impl in ("triton", "triton_dense"):
         return 2 if op == "mixed" else 1
-    if impl == "vllm_fused":
+    if impl in ("vllm_fused", "op1_cat"):
         return 1 if op == "prefill" else 2
     return 1
 
@@ -198,7 +222,8 @@ class Workload:
     sync-free torch variant, never a slot.
     """
 
-    _SET_TENSORS = ("q_full", "kv_a", "kv_c", "ql_store", "q_out", "positions", "slots")
+    _SET_TENSORS = ("q_full", "kv_a", "kv_c", "ql_store", "q_out", "positions", "slots", "kv_nope", "k_out",
+                    "q_dense", "k_dense")  # fmt: skip
 
     def __init__(self, cfg: Config, d: Dims, n_sets: int, device, gen, fp8_dtype, _from: Workload | None = None):
         import torch
@@ -210,6 +235,9 @@ class Workload:
         self.num_blocks = nb = -(-n_sets * T // bs)
         act = torch.bfloat16
         q_dtype = fp8_dtype if cfg.q_out == "fp8" else act
+        key_dtype = fp8_dtype if cfg.key == "fp8" else act
+        epi = cfg.op == "epilogue"
+        dense = cfg.op in ("prefill", "epilogue")  # the triton_dense diagnostic's own q_pe / k_pe
         if _from is not None:  # a deep copy (for correctness checks)
             self.sets = [{k: (None if t is None else t.clone()) for k, t in st.items()} for st in _from.sets]
             self.cache_storage = _from.cache_storage.clone()
@@ -232,7 +260,15 @@ class Workload:
                     "q_out": torch.full((D, H, L + R), float("nan"), device=device).to(q_dtype) if D else None,
                     "positions": torch.randint(0, d.max_pos, (T,), generator=gen, device=device),
                     "slots": perm[i * T : (i + 1) * T].clone(),
+                    # kv_b_proj's output [T, H, P + V]; the key concat reads its first P columns.
+                    "kv_nope": randn(T, H, 2 * d.nope) if epi else None,
+                    "k_out": torch.full((T, H, d.nope + R), float("nan"), device=device).to(key_dtype) if epi
+                    else None,
                 })  # fmt: skip
+                st = self.sets[-1]
+                # The same values as q_pe and k_pe, in dense tensors of their own.
+                st["q_dense"] = st["q_full"][:, :, d.nope :].contiguous() if dense else None
+                st["k_dense"] = st["kv_a"][:, L:].contiguous() if dense else None
             # Random finite canary in every cache row (fp8: random values, never NaN bit patterns).
             canary = torch.randn((nb + 1) * bs, L + R, generator=gen, device=device)
             self.cache_storage = canary.to(act) if cfg.cache == "bf16" else (canary * 8).to(fp8_dtype).view(torch.uint8)
@@ -276,6 +312,10 @@ class Workload:
             q_scale=self.q_scale,
             ql_nope=st["ql_store"].transpose(0, 1) if D else None,  # [D, H, L], strided
             q_out=st["q_out"],
+            k_nope=st["kv_nope"][..., : d.nope] if st.get("kv_nope") is not None else None,
+            k_out=st.get("k_out"),
+            q_dense=st.get("q_dense"),
+            k_dense=st.get("k_dense"),
         )
         if cfg.op == "mixed":
             v.dec = SimpleNamespace(**vars(v))
@@ -306,8 +346,15 @@ class Impls:
 
     def check_applicable(self, impl: str, cfg: Config) -> None:
         """Raise Unavailable when ``impl`` cannot run ``cfg``."""
-        if impl == "torch_compile" and cfg.op == "mixed":
-            raise Unavailable("n/a", "not measured for mixed batches")
+        if impl == "torch_compile" and cfg.op in ("mixed", "epilogue"):
+            raise Unavailable("n/a", "not measured for mixed batches or the epilogue")
+        if impl == "op1_cat" and cfg.op != "epilogue":
+            raise Unavailable("n/a", "op 1 + key concat is the epilogue's baseline")
+        if impl == "triton_dense" and (cfg.op not in ("prefill", "epilogue")
+                                       or cfg.block_size != max(self.args.block_sizes)):  # fmt: skip
+            raise Unavailable("n/a", "the layout diagnostic: in-place ops, the largest block size")
+        if impl == "unfused" and cfg.op == "epilogue" and cfg.section != "epilogue":
+            raise Unavailable("n/a", "epilogue configs live in the epilogue section")
         if impl in TORCH_IMPLS and cfg.block_size != max(self.args.block_sizes) and cfg.section == "sweep":
             raise Unavailable("n/a", "torch rows are measured at the largest block size only (cost independent of it)")
         if impl in TORCH_IMPLS and cfg.section == "decode-layer":
@@ -322,6 +369,10 @@ class Impls:
             if cfg.op == "mixed":
                 raise Unavailable("n/a", "not measured for mixed batches")
             self._peer("vllm_fused")
+        elif impl == "vllm_k3":
+            if cfg.op != "epilogue" or cfg.key != "bf16" or cfg.cache != "bf16":
+                raise Unavailable("n/a", "vLLM's K3 epilogue kernel: the prefill key, bf16 key and cache only")
+            self._peer("vllm_k3")
         elif impl == "flashinfer":
             if cfg.op != "decode" or cfg.cache != "fp8":
                 raise Unavailable("n/a", "FlashInfer's fused op is decode-only with fp8 query and cache")
@@ -333,7 +384,7 @@ class Impls:
         if self.device.type != "cuda":
             raise Unavailable("missing", "peers run on a GPU only")
         loader = {"aiter_triton": peers.load_aiter_triton, "vllm_fused": peers.load_vllm,
-                  "flashinfer": peers.load_flashinfer}[impl]  # fmt: skip
+                  "vllm_k3": peers.load_vllm_k3, "flashinfer": peers.load_flashinfer}[impl]  # fmt: skip
         handle, reason = loader()
         if handle is None:
             raise Unavailable("missing", reason)
@@ -344,6 +395,14 @@ class Impls:
         import torch
 
         neox = self.d.is_neox
+        if cfg.op == "epilogue":
+            return self._make_epilogue(impl, v)
+        if impl == "triton_dense":
+            from vllm_mla_fusion import mla_rope_cache_write
+
+            return lambda: mla_rope_cache_write(v.positions, v.q_dense, v.k_dense, v.kv_c, v.cos_sin_cache, neox,
+                                                v.slot_mapping, v.kv_cache, v.kv_cache_dtype, v.kv_cache_scale,
+                                                backend="triton")  # fmt: skip
         if impl in ("triton", "torch_ref"):
             from vllm_mla_fusion import mla_decode_rope_cache_write, mla_rope_cache_write
 
@@ -411,6 +470,59 @@ class Impls:
             return peers.flashinfer_decode_call(fn, v, neox, self.fp8_dtype)
         raise ValueError(impl)
 
+    def _make_epilogue(self, impl: str, v: SimpleNamespace):
+        """Op 3 semantics (q_pe, k_pe rotated in place, cache rows, key) by ``impl`` on the views ``v``."""
+        import torch
+
+        neox = self.d.is_neox
+        T, H, _ = v.q_pe.shape
+        fp8_key = v.k_out.dtype != v.q_pe.dtype
+        # An fp8 key is built in q's dtype and then cast, as vLLM does (k.to(fp8) after the concat).
+        scratch = torch.empty(v.k_out.shape, dtype=v.q_pe.dtype, device=v.q_pe.device) if fp8_key else None
+
+        def cat_key(k_pe):
+            k = scratch if fp8_key else v.k_out
+            torch.cat((v.k_nope, k_pe[:, None, :].expand(T, H, -1)), dim=-1, out=k)
+            if fp8_key:
+                v.k_out.copy_(scratch)
+
+        if impl in ("triton", "torch_ref", "triton_dense"):
+            from vllm_mla_fusion import mla_prefill_rope_cache_write
+
+            q_pe, k_pe = (v.q_dense, v.k_dense) if impl == "triton_dense" else (v.q_pe, v.k_pe)
+            backend = "torch" if impl == "torch_ref" else "triton"
+            return lambda: mla_prefill_rope_cache_write(v.positions, q_pe, k_pe, v.kv_c, v.k_nope, v.cos_sin_cache,
+                                                        neox, v.slot_mapping, v.kv_cache, v.k_out,
+                                                        v.kv_cache_dtype, v.kv_cache_scale,
+                                                        backend=backend)  # fmt: skip
+        if impl == "op1_cat":
+            from vllm_mla_fusion import mla_rope_cache_write
+
+            def op1_cat():
+                mla_rope_cache_write(v.positions, v.q_pe, v.k_pe, v.kv_c, v.cos_sin_cache, neox, v.slot_mapping,
+                                     v.kv_cache, v.kv_cache_dtype, v.kv_cache_scale, backend="triton")  # fmt: skip
+                cat_key(v.k_pe)
+
+            return op1_cat
+        if impl == "unfused":
+            import unfused
+
+            return lambda: unfused.epilogue_chain(v.positions, v.q_pe, v.k_pe, v.kv_c, v.k_nope, v.cos_sin_cache,
+                                                  neox, v.slot_mapping, v.typed_cache, v.k_out, v.kv_cache_scale,
+                                                  key_scratch=scratch)  # fmt: skip
+        import peers
+
+        if self._cos_sin_act is None:
+            self._cos_sin_act = v.cos_sin_cache.to(torch.bfloat16)  # vLLM's kernels want q's dtype
+        if impl == "vllm_fused":
+            ops, _ = self._peer("vllm_fused")
+            fused = peers.vllm_prefill_call(ops, v, neox, v.kv_cache_dtype, self._cos_sin_act)
+            return lambda: (fused(), cat_key(v.k_pe))
+        if impl == "vllm_k3":
+            fn, _ = self._peer("vllm_k3")
+            return peers.vllm_k3_epilogue_call(fn, v, self.d.nope, self._cos_sin_act)
+        raise ValueError(impl)
+
 
 # ---------------------------------------------------------------------------
 # Correctness check of every implementation against the torch reference backend.
@@ -451,8 +563,14 @@ def check_outputs(cfg: Config, got: Workload, ref: Workload, impl: str, lenient_
     fields.append(("kv_cache", got.typed_cache, ref.typed_cache, cache_fp8))
     if cfg.op in ("decode", "mixed"):
         fields.append(("q_out", gv.q_out, rv.q_out, cfg.q_out == "fp8"))
-    if cfg.op == "prefill":
+    if cfg.op in ("prefill", "epilogue") and impl == "triton_dense":
+        fields += [("q_pe", gv.q_dense, rv.q_pe, False), ("k_pe", gv.k_dense, rv.k_pe, False)]
+    elif cfg.op == "epilogue" and impl == "vllm_k3":
+        fields += [("q_pe", gv.q_pe, rv.q_pe, False)]  # K3 leaves k_pe un-rotated (it has no k_pe output)
+    elif cfg.op in ("prefill", "epilogue"):
         fields += [("q_pe", gv.q_pe, rv.q_pe, False), ("k_pe", gv.k_pe, rv.k_pe, False)]
+    if cfg.op == "epilogue":
+        fields.append(("k_out", gv.k_out, rv.k_out, cfg.key == "fp8"))
     if cfg.op == "mixed":
         fields += [("q_pe[D:]", gv.q_pe[D:], rv.q_pe[D:], False), ("k_pe[D:]", gv.k_pe[D:], rv.k_pe[D:], False)]
     out = {"ok": True, "fields": {}}
@@ -682,6 +800,16 @@ def mixed_configs(args) -> list[Config]:
             for cache in args.cache_dtypes for H in args.heads for D, P in args.mixed]  # fmt: skip
 
 
+def epilogue_configs(args) -> list[Config]:
+    """bf16 key and cache over the token sweep, plus an fp8 key with an fp8 cache on a subset."""
+    bs = max(args.block_sizes)
+    out = [Config("epilogue", "epilogue", H, T, "bf16", bs, key="bf16") for H in args.heads for T in args.tokens]
+    if "fp8" in args.cache_dtypes:
+        fp8_tokens = [T for T in args.tokens if T in EPILOGUE_FP8_TOKENS] or args.tokens[:1]
+        out += [Config("epilogue", "epilogue", H, T, "fp8", bs, key="fp8") for H in args.heads for T in fp8_tokens]
+    return out
+
+
 def decode_layer_configs(args) -> list[Config]:
     bs = max(args.block_sizes)
     return [Config("decode-layer", "decode", H, B, cache, bs, decode_tokens=B)
@@ -705,7 +833,8 @@ def _by_config(results: list[dict], section: str) -> dict:
     for r in results:
         if r["section"] != section:
             continue
-        key = (r["op"], r["cache"], r["H"], r["block_size"], r["T"], r["decode_tokens"])
+        cache = r["cache"] + (f"/key {r['key']}" if r.get("key") else "")
+        key = (r["op"], cache, r["H"], r["block_size"], r["T"], r["decode_tokens"])
         grouped.setdefault(key, {})[r["impl"]] = r
     return grouped
 
@@ -719,7 +848,7 @@ def _speedup(a: dict | None, b: dict | None) -> float | None:
 
 def table_rows(results: list[dict], section: str, impls: tuple[str, ...]) -> tuple[list[str], list[list[str]]]:
     head = ["op", "cache", "H", "bs", "T", "KB/call", "bw us", "floor us"] + [SHORT[i] for i in impls]
-    head += ["ours eff", "ours TB/s", "x unfused", "x aiter", "L2"]
+    head += ["ours eff", "ours TB/s", "x unfused", "x k3" if section == "epilogue" else "x aiter", "L2"]
     rows = []
     for key, by in sorted(_by_config(results, section).items(),
                           key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], kv[0][3], kv[0][4])):  # fmt: skip
@@ -733,7 +862,7 @@ def table_rows(results: list[dict], section: str, impls: tuple[str, ...]) -> tup
         ok = ours and ours["status"] == "ok"
         row.append(f"{ours['efficiency']:.2f}" if ok else "-")
         row.append(f"{ours['achieved_TBps']:.2f}" if ok else "-")
-        for peer in ("unfused", "aiter_triton"):
+        for peer in ("unfused", "vllm_k3" if section == "epilogue" else "aiter_triton"):
             s = _speedup(by.get(peer), ours)
             row.append(f"{s:.2f}" if s else "-")
         row.append("yes" if ok and ours.get("l2_resident") else ("no" if ok else "-"))
@@ -824,7 +953,7 @@ def evaluate_targets(results: list[dict], launch_us: float, smoke: bool) -> list
     else:
         add("launch", "T <= 16: time <= 1.5 x trivial-kernel time", False, False, "no T <= 16 shape measured")
     # 3. Peers: never slower, geomean >= 1.15.
-    for peer in PEERS:
+    for peer in (p for p in PEERS if p != "vllm_k3"):  # K3 is an epilogue peer (issue10_targets)
         pairs = []
         for r in ok:
             if r["impl"] == peer and r["section"] == "sweep" and key(r) in ours:
@@ -853,7 +982,69 @@ def evaluate_targets(results: list[dict], launch_us: float, smoke: bool) -> list
             {"min": s_min, "where": where(w), "n": len(pairs)})  # fmt: skip
     else:
         add("decode_vs_unfused", text, False, False, "not measured")
+    targets += issue10_targets(results, launch_us, smoke)
     return targets
+
+
+# vLLM's Kimi-K3 epilogue as measured in issue 10 (H200, 2026-12-01; us per call), (H, T) -> us.
+K3_ISSUE10_US = {(16, 1): 2.02, (16, 16): 2.88, (16, 64): 3.14, (16, 256): 3.91, (16, 4096): 27.65,
+                 (128, 1): 2.68, (128, 64): 4.82, (128, 1024): 47.21, (128, 4096): 181.8}  # fmt: skip
+
+
+def issue10_targets(results: list[dict], launch_us: float, smoke: bool) -> list[dict]:
+    """Issue 10's targets: the epilogue (op 3), op 1 at large T, two decode shapes."""
+    ok = [r for r in results if r["status"] == "ok"]
+    out = []
+
+    def add(tid, text, rows, met, detail):
+        status = "not measured" if not rows else ("met" if met else "NOT MET")
+        if smoke and rows:
+            status += " (CPU smoke: meaningless)"
+        out.append({"id": tid, "target": text, "status": status, "detail": detail if rows else "not measured"})
+
+    def where(r):
+        return f"H={r['H']} T={r['T']} {r['cache']}" + (f" key {r['key']}" if r.get("key") else "")
+
+    epi = [r for r in ok if r["section"] == "epilogue" and r["impl"] == "triton"]
+    bw = [r for r in epi if r["bw_term_us"] >= 5.0]
+    w = min(bw, key=lambda r: r["efficiency"]) if bw else None
+    add("epilogue_bandwidth", "epilogue (op 3): efficiency >= 0.90 where bytes/copy-bandwidth >= 5 us", bw,
+        bw and all(r["efficiency"] >= 0.90 for r in bw),
+        w and f"{sum(r['efficiency'] >= 0.90 for r in bw)}/{len(bw)} shapes; min {w['efficiency']:.3f} at {where(w)}")
+    bf16 = {(r["H"], r["T"]): r for r in epi if r["cache"] == "bf16" and r.get("key") == "bf16"}
+    pairs = [(K3_ISSUE10_US[k] / r["us"], k) for k, r in bf16.items() if k in K3_ISSUE10_US]
+    s_min = min(pairs) if pairs else None
+    add("epilogue_vs_k3_issue", "epilogue (op 3) >= 1.3x faster than issue 10's K3 figures at every shape", pairs,
+        pairs and s_min[0] >= 1.3,
+        s_min and f"min {s_min[0]:.2f}x at H={s_min[1][0]} T={s_min[1][1]} over {len(pairs)} shapes; "
+        + ", ".join(f"({h},{t}) {x:.2f}x" for x, (h, t) in sorted(pairs, key=lambda p: p[1])))
+    k3 = {(r["H"], r["T"]): r for r in ok if r["section"] == "epilogue" and r["impl"] == "vllm_k3"}
+    same = [(k3[k]["us"] / r["us"], k) for k, r in bf16.items() if k in k3]
+    s_min = min(same) if same else None
+    add("epilogue_vs_k3_same_run", "epilogue (op 3) vs vLLM's K3 kernel in this run: >= 1.3x at every shape", same,
+        same and s_min[0] >= 1.3,
+        s_min and f"min {s_min[0]:.2f}x at H={s_min[1][0]} T={s_min[1][1]}; geomean "
+        f"{_geomean([x for x, _ in same]):.2f}x over {len(same)} shapes")
+    op1 = [r for r in ok if r["section"] == "sweep" and r["impl"] == "triton" and r["op"] == "prefill"
+           and r["T"] >= 4096]  # fmt: skip
+    w = min(op1, key=lambda r: r["efficiency"]) if op1 else None
+    add("op1_large_T", "op 1: efficiency >= 0.90 at T >= 4096", op1, op1 and all(r["efficiency"] >= 0.90 for r in op1),
+        w and f"{sum(r['efficiency'] >= 0.90 for r in op1)}/{len(op1)} shapes; min {w['efficiency']:.3f} at "
+        f"{where(w)} bs={w['block_size']}")
+    dec = {(r["cache"], r["block_size"], r["T"]): r for r in ok
+           if r["section"] == "sweep" and r["impl"] == "triton" and r["op"] == "decode" and r["H"] == 128}  # fmt: skip
+    t16 = [r for (c, bs, T), r in dec.items() if T == 16]
+    worst = max(t16, key=lambda r: r["us"]) if t16 else None
+    add("decode_H128_T16", "decode H=128 T=16: <= 1.5 x the trivial kernel", t16,
+        t16 and all(r["us"] <= 1.5 * launch_us for r in t16),
+        worst and f"worst {worst['us']:.2f} us = {worst['us'] / launch_us:.2f} x trivial ({launch_us:.2f} us), "
+        f"{where(worst)} bs={worst['block_size']}")
+    t256 = [r for (c, bs, T), r in dec.items() if T == 256]
+    worst = min(t256, key=lambda r: r["efficiency"]) if t256 else None
+    add("decode_H128_T256", "decode H=128 T=256: efficiency >= 0.90", t256,
+        t256 and all(r["efficiency"] >= 0.90 for r in t256),
+        worst and f"min {worst['efficiency']:.3f} ({worst['us']:.2f} us), {where(worst)} bs={worst['block_size']}")
+    return out
 
 
 def environment(args, device) -> dict:
@@ -920,7 +1111,8 @@ def markdown_report(report: dict, impls: tuple[str, ...]) -> str:
         f"copy bandwidth {c['copy']['TBps']:.3f} TB/s.",
         "",
     ]
-    for section, title in (("sweep", "Sweep (us per call)"), ("mixed", "Mixed decode-first batches (us per call)")):
+    for section, title in (("sweep", "Sweep (us per call)"), ("mixed", "Mixed decode-first batches (us per call)"),
+                           ("epilogue", "Prefill epilogue, op 3 (issue 10; us per call)")):  # fmt: skip
         head, rows = table_rows(res, section, section_impls(res, section, impls))
         if rows:
             lines += [f"### {title}", "", format_table(head, rows, markdown=True), ""]
@@ -928,7 +1120,7 @@ def markdown_report(report: dict, impls: tuple[str, ...]) -> str:
     if rows:
         lines += ["### Decode layer (issue 4): q/k preparation per MLA layer per decode step", "",
                   format_table(head, rows, markdown=True), ""]  # fmt: skip
-    lines += ["### Targets (issue 6)", "", "| target | status | numbers |", "|---|---|---|"]
+    lines += ["### Targets (issues 6 and 10)", "", "| target | status | numbers |", "|---|---|---|"]
     lines += [f"| {t['target']} | {t['status']} | {t['detail']} |" for t in report["targets"]]
     lines += ["", "Legend: " + "; ".join(f"`{SHORT[i]}` = {LABELS[i]}" for i in impls)]
     return "\n".join(lines) + "\n"
@@ -947,7 +1139,7 @@ def plot(report: dict, out_dir: Path, impls: tuple[str, ...]) -> list[str]:
     c = report["calibration"]["start"]
     launch, bps = c["launch"]["floor_us"], c["copy"]["bytes_per_s"]
     written = []
-    markers = dict(zip(IMPLS, "os^vDPX", strict=True))
+    markers = dict(zip(IMPLS, "os^<>vDPX*", strict=True))
 
     def panel(ax, rows, title):
         for impl in impls:
@@ -996,6 +1188,19 @@ def plot(report: dict, out_dir: Path, impls: tuple[str, ...]) -> list[str]:
         axes.flat[0].legend(fontsize=7)
         fig.tight_layout()
         p = out_dir / "bench_decode_layer.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(str(p))
+    epi = [r for r in res if r["section"] == "epilogue"]
+    if epi:
+        keys = sorted({(r["H"], r["cache"], r["key"]) for r in epi})
+        fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6), squeeze=False)
+        for ax, (H, cache, key) in zip(axes.flat, keys):
+            panel(ax, [r for r in epi if (r["H"], r["cache"], r["key"]) == (H, cache, key)],
+                  f"epilogue (op 3), H={H}, {cache} cache, {key} key")  # fmt: skip
+        axes.flat[0].legend(fontsize=7)
+        fig.tight_layout()
+        p = out_dir / "bench_epilogue.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)
         written.append(str(p))
@@ -1132,6 +1337,10 @@ def main(argv=None) -> int:
     if "mixed" in args.sections:
         mixed_impls = tuple(i for i in impls if i in ("triton", "unfused", "torch_ref"))
         sections.append(("mixed", mixed_configs(args), mixed_impls))
+    if "epilogue" in args.sections:
+        epi_impls = tuple(i for i in impls if i in ("triton", "unfused", "op1_cat", "triton_dense", "torch_ref",
+                                                    "vllm_fused", "vllm_k3"))  # fmt: skip
+        sections.append(("epilogue", epilogue_configs(args), epi_impls))
     if "sweep" in args.sections:
         sections.append(("sweep", sweep_configs(args), impls))
     total = sum(len(c) for _, c, _ in sections)
@@ -1166,7 +1375,8 @@ def main(argv=None) -> int:
     log("  KB/call = bytes each call must move (each input read once, each output written once); bw us = that / copy "
         "bandwidth; floor = max(launch floor, bw us); eff = floor / time; x unfused, x aiter = their time / ours; "
         "L2 = the rotated input sets fit in L2 (launch-bound shapes only)")  # fmt: skip
-    for section, title in (("sweep", "SWEEP"), ("mixed", "MIXED DECODE-FIRST BATCHES")):
+    for section, title in (("sweep", "SWEEP"), ("mixed", "MIXED DECODE-FIRST BATCHES"),
+                           ("epilogue", "PREFILL EPILOGUE (op 3, issue 10)")):  # fmt: skip
         head, rows = table_rows(res, section, section_impls(res, section, impls))
         if rows:
             log(f"\n{title}\n" + format_table(head, rows))
@@ -1178,7 +1388,7 @@ def main(argv=None) -> int:
         )
 
     report["targets"] = evaluate_targets(res, runner.launch_us, args.smoke)
-    log("\nTARGETS (issue 6, this project's Triton backend)")
+    log("\nTARGETS (issues 6 and 10, this project's Triton backend)")
     for t in report["targets"]:
         log(f"  [{t['status']}] {t['target']}: {t['detail']}")
     problems = [r for r in res if r["status"] == "error" or r.get("check_failed")]
@@ -1186,7 +1396,8 @@ def main(argv=None) -> int:
         log("\nPROBLEMS")
         for r in problems:
             why = r.get("reason") or json.dumps(r.get("check"))
-            where = Config(r["section"], r["op"], r["H"], r["T"], r["cache"], r["block_size"], r["decode_tokens"])
+            where = Config(r["section"], r["op"], r["H"], r["T"], r["cache"], r["block_size"], r["decode_tokens"],
+                           r.get("key", ""))  # fmt: skip
             log(f"  {r['impl']} {where.name()}: {why}")
     # First eager call per implementation (includes Triton / Inductor compilation): where the run's time goes.
     first = {}

@@ -6,6 +6,9 @@
   NVIDIA its fp8 path asserts the ROCm e4m3 flavour, and it has no query scale.
 - ``vllm_fused``: vLLM's CUDA ``concat_and_cache_mla_rope_fused`` (op 1), plus the
   query concat for op 2. Needs vLLM's compiled extension.
+- ``vllm_k3``: vLLM's Kimi-K3 prefill epilogue ``fused_kimi_k3_mla_key_concat_kv_cache_insert``
+  (RoPE of q in place, the full key, the cache row; op 3 semantics but for the
+  k_pe write-back). Needs vLLM's compiled extension (0.33 ships it).
 - ``flashinfer``: FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache`` (op 2
   with an fp8 query and fp8 cache only). JIT-compiled by FlashInfer on first use.
 
@@ -113,6 +116,31 @@ def vllm_decode_call(ops, v, is_neox: bool, kv_cache_dtype: str, cos_sin_act: to
             ops.concat_mla_q(v.ql_nope, v.q_pe, v.q_out)
         else:
             concat_fp8(v.ql_nope, v.q_pe, v.q_out, v.q_scale)
+
+    return call
+
+
+@functools.lru_cache(maxsize=None)
+def load_vllm_k3():
+    """vLLM's K3 epilogue op (``torch.ops._C.fused_kimi_k3_mla_key_concat_kv_cache_insert``), or why not."""
+    ops, reason = load_vllm()
+    if ops is None:
+        return None, reason
+    fn = getattr(torch.ops._C, "fused_kimi_k3_mla_key_concat_kv_cache_insert", None)
+    if fn is None:
+        return None, "torch.ops._C has no fused_kimi_k3_mla_key_concat_kv_cache_insert"
+    return fn, None
+
+
+def vllm_k3_epilogue_call(fn, v, nope: int, cos_sin_act: torch.Tensor):
+    """K3's epilogue on the benchmark's views: q is the full [T, H, P + R] tensor whose rope
+    part is rotated in place; the key goes into the preallocated ``k_out``; bf16 cache."""
+    q = v.q_pe.as_strided((*v.q_pe.shape[:2], nope + v.q_pe.shape[-1]), v.q_pe.stride(),
+                          v.q_pe.storage_offset() - nope)  # fmt: skip
+    bs = v.kv_cache.shape[1]
+
+    def call():
+        fn(q, v.k_nope, v.k_pe, v.kv_c, v.k_out, v.kv_cache, v.slot_mapping, bs, v.positions, cos_sin_act)
 
     return call
 

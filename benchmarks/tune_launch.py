@@ -8,7 +8,8 @@ varies one knob at a time (rows per query program, tokens per cache program,
 warps, programmatic dependent launch), timing each variant as a CUDA graph of
 back-to-back calls on rotated inputs (benchmarks/timing.py).
 
-    python benchmarks/tune_launch.py --out /tmp/tune      # H200: ~3 minutes
+    python benchmarks/tune_launch.py --out /tmp/tune            # H200: ~3 minutes
+    python benchmarks/tune_launch.py --focus --out /tmp/tune    # issue 10's shapes only (~1 minute)
 """
 
 from __future__ import annotations
@@ -35,7 +36,18 @@ SHAPES = [  # (op, H, T, fp8)
     ("decode", 128, 4096, True),
     ("decode", 16, 4096, True),
     ("prefill", 16, 4096, True),
+    *[("epilogue", H, T, False) for H in (16, 128) for T in (1, 64, 1024, 4096, 16384)],
 ]
+# Issue 10's shapes: op 3 where it is bandwidth-bound, op 1 at large T, two decode shapes.
+FOCUS = [("epilogue", H, T, False) for H in (16, 128) for T in (1024, 4096, 16384)] + [
+    ("prefill", 16, 16384, False), ("prefill", 128, 4096, False), ("decode", 128, 16, False),
+    ("decode", 128, 256, False),
+]  # fmt: skip
+OPS = {"prefill": tb.OP_ROPE_CACHE.value, "decode": tb.OP_DECODE.value, "epilogue": tb.OP_PREFILL.value}
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
 
 
 def make_sets(op, H, T, fp8, n_sets, device):
@@ -55,6 +67,9 @@ def make_sets(op, H, T, fp8, n_sets, device):
         if op == "decode":
             s["ql_nope"] = torch.randn(H, T, L, device=device, dtype=torch.bfloat16).transpose(0, 1)
             s["q_out"] = torch.empty(T, H, L + R, device=device, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+        if op == "epilogue":
+            s["k_nope"] = torch.randn(T, H, 2 * NOPE, device=device, dtype=torch.bfloat16)[..., :NOPE]
+            s["k_out"] = torch.empty(T, H, NOPE + R, device=device, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
         sets.append(s)
     return sets
 
@@ -62,6 +77,9 @@ def make_sets(op, H, T, fp8, n_sets, device):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--focus", action="store_true", help="issue 10's shapes only")
+    ap.add_argument("--grid", action="store_true", help="also a small joint grid of (BLOCK_ROWS, BLOCK_H or BLOCK_T, "
+                    "num_warps) for op 3 and op 1 at T >= 1024")  # fmt: skip
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
@@ -70,7 +88,7 @@ def main():
     floor = timing.launch_floor(device)
     print(f"trivial kernel {floor}", flush=True)
     results = []
-    for op, H, T, fp8 in SHAPES:
+    for op, H, T, fp8 in FOCUS if args.focus else SHAPES:
         per_set = T * H * (L + R) * 4 + T * (L + R) * 4
         n_sets = int(max(2, min(32, 256e6 // max(per_set, 1))))
         sets = make_sets(op, H, T, fp8, n_sets, device)
@@ -82,15 +100,19 @@ def main():
             if op == "prefill":
                 mla.mla_rope_cache_write(s["positions"], s["q_pe"], s["k_pe"], s["kv_c"], cs, False, s["slot_mapping"],
                                          s["kv_cache"], kvd, scale if fp8 else None, backend="triton")  # fmt: skip
+            elif op == "epilogue":
+                mla.mla_prefill_rope_cache_write(s["positions"], s["q_pe"], s["k_pe"], s["kv_c"], s["k_nope"], cs,
+                                                 False, s["slot_mapping"], s["kv_cache"], s["k_out"], kvd,
+                                                 scale if fp8 else None, backend="triton")  # fmt: skip
             else:
                 mla.mla_decode_rope_cache_write(s["positions"], s["ql_nope"], s["q_pe"], s["k_pe"], s["kv_c"], cs,
                                                 False, s["slot_mapping"], s["kv_cache"], s["q_out"], kvd,
                                                 scale if fp8 else None, scale if fp8 else None,
                                                 backend="triton")  # fmt: skip
 
-        p = tb.Problem(T, H, L, R, torch.uint8 if fp8 else torch.bfloat16)
+        p = tb.Problem(T, H, L, R, torch.uint8 if fp8 else torch.bfloat16, nope_dim=NOPE)
         tb.LAUNCH_CONFIG_OVERRIDE = None
-        base = tb._launch_config(p, op == "decode", device)
+        base = tb._launch_config(p, OPS[op], device)
 
         def measure(cfg):
             tb.LAUNCH_CONFIG_OVERRIDE = cfg
@@ -104,14 +126,12 @@ def main():
 
         best, best_us = dict(base), measure(base)
         tried = [(dict(base), best_us)]
-        row_elems = (L + R) if op == "decode" else R
-        knobs = [
-            ("BLOCK_ROWS", [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b * row_elems <= 32768]),
-            ("BLOCK_T", [1, 2, 4, 8, 16, 32]),
-            ("num_warps", [1, 2, 4, 8]),
-            ("USE_PDL", [False, True]),
-            ("BLOCK_ROWS", [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b * row_elems <= 32768]),
-        ]
+        row_elems = {"decode": L + R, "prefill": R, "epilogue": NOPE + R}[op]
+        rows = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b * row_elems <= 32768]
+        knobs = [("BLOCK_ROWS", rows), ("BLOCK_T", [1, 2, 4, 8, 16, 32]), ("num_warps", [1, 2, 4, 8]),
+                 ("USE_PDL", [False, True]), ("BLOCK_ROWS", rows)]  # fmt: skip
+        if op == "epilogue":
+            knobs.insert(2, ("BLOCK_H", [b for b in (8, 16, 32, 64, 128) if b <= triton_next_pow2(H)]))
         for knob, values in knobs:
             for v in values:
                 if v == best[knob]:
@@ -121,6 +141,21 @@ def main():
                 tried.append((cfg, us))
                 if us < best_us * 0.98:
                     best, best_us = cfg, us
+        if args.grid and op in ("epilogue", "prefill") and T >= 1024:
+            # The knobs interact through registers (occupancy): a small joint grid around the best.
+            second = ("BLOCK_H", (16, 32, 64)) if op == "epilogue" else ("BLOCK_T", (2, 4, 8))
+            for br in ((8, 16, 32) if op == "epilogue" else (16, 32, 64)):
+                for v in second[1]:
+                    for nw in (4, 8):
+                        cfg = dict(best, BLOCK_ROWS=br, num_warps=nw, **{second[0]: v})
+                        if op == "epilogue":
+                            cfg["BLOCK_H"] = min(v, triton_next_pow2(H))
+                        if any(c == cfg for c, _ in tried):
+                            continue
+                        us = measure(cfg)
+                        tried.append((cfg, us))
+                        if us < best_us * 0.98:
+                            best, best_us = cfg, us
         base_us = tried[0][1]
         print(f"{op:8s} H={H:4d} T={T:6d} {'fp8 ' if fp8 else 'bf16'} heuristic {base_us:8.2f} us {base}  "
               f"best {best_us:8.2f} us {best}", flush=True)

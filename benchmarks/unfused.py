@@ -266,6 +266,54 @@ def concat_mla_q(ql_nope, q_pe, q_out, q_scale=None) -> None:
 
 
 # ---------------------------------------------------------------------------
+# 4. Prefill key concat (vLLM ``_concat_k_nope_k_pe``: FlashInfer's ``concat_mla_k``).
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_heads"])
+def _concat_k_kernel(
+    k_nope_ptr,  # [T, H, P]
+    k_pe_ptr,  # [T, R] (already rotated), broadcast over heads
+    k_out_ptr,  # [T, H, P + R]
+    num_rows,  # T * H
+    num_heads,
+    stride_n_t, stride_n_h, stride_n_p,
+    stride_p_t, stride_p_r,
+    stride_o_t, stride_o_h, stride_o_d,
+    P: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    r_mask = rows < num_rows
+    t = rows // num_heads
+    h = rows % num_heads
+    out = t * stride_o_t + h * stride_o_h
+    col = tl.arange(0, BLOCK_P)
+    m = r_mask[:, None] & (col < P)[None, :]
+    x = tl.load(k_nope_ptr + (t * stride_n_t + h * stride_n_h)[:, None] + col[None, :] * stride_n_p, mask=m)
+    tl.store(k_out_ptr + out[:, None] + col[None, :] * stride_o_d, x, mask=m)
+    r = tl.arange(0, BLOCK_R)
+    m = r_mask[:, None] & (r < R)[None, :]
+    y = tl.load(k_pe_ptr + (t * stride_p_t)[:, None] + r[None, :] * stride_p_r, mask=m)
+    tl.store(k_out_ptr + out[:, None] + (P + r[None, :]) * stride_o_d, y, mask=m)
+
+
+def concat_mla_k(k_nope, k_pe, k_out) -> None:
+    """``k_out[t, h] = [k_nope[t, h] | k_pe[t]]`` in one launch (same dtype throughout, like FlashInfer's)."""
+    T, H, P = k_nope.shape
+    k2 = k_pe.reshape(T, -1) if k_pe.dim() == 3 else k_pe
+    R = k2.shape[-1]
+    block_rows = _rows_per_program(T * H, k_out.device, 16)
+    _concat_k_kernel[(triton.cdiv(T * H, block_rows),)](
+        k_nope, k2, k_out, T * H, H, *k_nope.stride(), *k2.stride(), *k_out.stride(),
+        P=P, R=R, BLOCK_ROWS=block_rows, BLOCK_P=triton.next_power_of_2(P), BLOCK_R=triton.next_power_of_2(R),
+        num_warps=4,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------
 # The chains.
 
 
@@ -286,4 +334,17 @@ def decode_chain(positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, s
     concat_mla_q(ql_nope, q_pe, q_out, q_scale)
 
 
-LAUNCHES = {"prefill": 2, "decode": 3, "mixed": 3}
+def epilogue_chain(positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping, kv_cache, k_out,
+                   kv_cache_scale=None, key_scratch=None):  # fmt: skip
+    """Op 3 semantics as vLLM's DeepSeek prefill runs them: RoPE in place, cache write, key concat
+    (3 launches); an fp8 key is concatenated in q's dtype into ``key_scratch``, then cast (a 4th)."""
+    rope_inplace(positions, q_pe, k_pe, cos_sin_cache, is_neox)
+    concat_and_cache_mla(kv_c, k_pe, slot_mapping, kv_cache, kv_cache_scale)
+    if key_scratch is None:
+        concat_mla_k(k_nope, k_pe, k_out)
+    else:
+        concat_mla_k(k_nope, k_pe, key_scratch)
+        k_out.copy_(key_scratch)
+
+
+LAUNCHES = {"prefill": 2, "decode": 3, "mixed": 3, "epilogue": 3}

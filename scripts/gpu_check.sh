@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project checks on a GPU, in one call (device time is scarce):
-#   scripts/gpu_check.sh [tests] [sanitizer] [bench] [quickbench]   (default: tests sanitizer bench)
+#   scripts/gpu_check.sh [tests] [sanitizer] [bench] [quickbench] [epilogue] [hostcost] [tune]
+#   (default: tests sanitizer bench)
 # Logs and results go under $OUT (default ./gpu_out). Needs torch + triton + pytest; no vLLM.
 # AITER's Triton op joins the cross-check test and the benchmark when third_party_aiter/ is
 # present (scripts/fetch_aiter_triton.sh unpacks it; carry it to the GPU machine).
@@ -40,6 +41,22 @@ for stage in $stages; do
     mkdir -p "$OUT/bench"
     extra=""; [ "$stage" = quickbench ] && extra="--quick"
     python3 benchmarks/bench_mla_rope_cache.py --out "$OUT/bench" $extra 2>&1 | tee "$OUT/bench.log" | tail -n 80 || status=1
+    ;;
+  epilogue)
+    # Issue 10's sections only (the epilogue, the decode-layer figures and the op 1/op 2 shapes
+    # its targets name), with vLLM's kernels as peers when vLLM is importable.
+    echo "== benchmark: epilogue"
+    mkdir -p "$OUT/epilogue"
+    python3 benchmarks/bench_mla_rope_cache.py --out "$OUT/epilogue" --sections epilogue sweep --quick \
+      --time-budget-s "${BENCH_BUDGET_S:-240}" 2>&1 | tee "$OUT/epilogue.log" | tail -n 60 || status=1
+    ;;
+  hostcost)
+    echo "== host time per call"
+    python3 benchmarks/host_overhead.py --out "$OUT" 2>&1 | tee "$OUT/host_overhead.log" || status=1
+    ;;
+  tune)
+    echo "== launch tuner (issue 10 shapes)"
+    python3 benchmarks/tune_launch.py --focus --grid --out "$OUT" 2>&1 | tee "$OUT/tune.log" | grep -v "^   config" || status=1
     ;;
   *) echo "unknown stage $stage"; status=2 ;;
   esac

@@ -23,7 +23,7 @@ from .mla_reference import Case
 
 # Tensors that may be given a non-default layout, and which of them the ops write.
 LAYOUT_NAMES = ("positions", "slot_mapping", "q_pe", "k_pe", "kv_c", "cos_sin_cache", "kv_cache", "kv_cache_scale",
-                "ql_nope", "q_out", "q_scale")  # fmt: skip
+                "ql_nope", "q_out", "q_scale", "k_nope", "k_out")  # fmt: skip
 
 
 def _canary(gen, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -92,6 +92,10 @@ def make_case(
     q_out_dtype: torch.dtype | None = None,
     q_scale: float | None = None,
     is_nope_first: bool = True,
+    prefill: bool = False,
+    nope_dim: int = 24,
+    k_out_dtype: torch.dtype | None = None,
+    k_out_strided: bool = False,
     spare_blocks: int = 2,
     kv_c_3d: bool = False,
     inner_stride: tuple[str, ...] = (),
@@ -167,6 +171,18 @@ def make_case(
         case.q_out = raw.view(q_out_dtype).view(T, H, L + R)
         case.q_scale = None if q_scale is None else torch.tensor([q_scale], dtype=torch.float32)
         case.is_nope_first = is_nope_first
+    if prefill:
+        # k_nope as vLLM hands it over: the first P columns of kv_b_proj's [T, H, P + V] output.
+        kv_nope = randn(T, H, nope_dim + 8)
+        case.k_nope = kv_nope[..., :nope_dim] if strided else randn(T, H, nope_dim)
+        k_out_dtype = k_out_dtype or act_dtype
+        width = nope_dim + R
+        pad = 5 if k_out_strided else 0  # a view into a wider buffer, to check what it must not touch
+        raw = torch.randint(0, 256, (T * H * (width + pad) * k_out_dtype.itemsize,), dtype=torch.uint8, generator=gen)
+        k_out_parent = raw.view(k_out_dtype).view(T, H, width + pad)
+        case.k_out = k_out_parent[..., pad:]
+        if k_out_strided:
+            parents["k_out"] = k_out_parent
     for how, names in (("inner_stride", inner_stride), ("transposed", transposed)):
         for name in names:
             assert name in LAYOUT_NAMES, name

@@ -121,6 +121,9 @@ class Case:
     q_out: torch.Tensor | None = None
     q_scale: torch.Tensor | None = None
     is_nope_first: bool = True
+    # prefill op
+    k_nope: torch.Tensor | None = None
+    k_out: torch.Tensor | None = None
     # parents of strided views, to check bytes around the views
     parents: dict = field(default_factory=dict)
     originals: dict = field(default_factory=dict)
@@ -134,6 +137,8 @@ class Case:
         }
         if self.q_out is not None:
             self.originals["q_out"] = self.q_out.clone()
+        if self.k_out is not None:
+            self.originals["k_out"] = self.k_out.clone()
 
     def rope_args(self):
         return (self.positions, self.q_pe, self.k_pe, self.kv_c, self.cos_sin_cache, self.is_neox,
@@ -143,6 +148,10 @@ class Case:
         return (self.positions, self.ql_nope, self.q_pe, self.k_pe, self.kv_c, self.cos_sin_cache, self.is_neox,
                 self.slot_mapping, self.kv_cache, self.q_out, self.kv_cache_dtype, self.kv_cache_scale,
                 self.q_scale)  # fmt: skip
+
+    def prefill_args(self):
+        return (self.positions, self.q_pe, self.k_pe, self.kv_c, self.k_nope, self.cos_sin_cache, self.is_neox,
+                self.slot_mapping, self.kv_cache, self.k_out, self.kv_cache_dtype, self.kv_cache_scale)  # fmt: skip
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -270,3 +279,29 @@ def check_identity_rope_stores(case: Case) -> None:
         rope = q_out[..., L:] if case.is_nope_first else q_out[..., :R]
         want = stored_copy(_cpu(case.originals["q_pe"]), q_out.dtype, _cpu(case.q_scale))
         assert_bytes_equal(rope, want, "q_out rope part")
+def check_prefill_rope_cache_write(case: Case) -> None:
+    """After ``mla_prefill_rope_cache_write``: everything op 1 guarantees, plus the key
+    ``k_out[t, h] = [k_nope[t, h] | rope(k_pe[t])]`` for every token (padding included).
+
+    Key contract: the nope part is an exact copy for a k_out of the input dtype, and for
+    an fp8 key bit-identical to torch's round-to-nearest-even of the saturated value
+    (``clamp(x, -max, max).to(fp8)``; no scale); the rope part is within one rounding of
+    k_out's dtype of the float64 rotation (+ float32 arithmetic error), never inf.
+    """
+    check_rope_cache_write(case)
+    o = {k: _cpu(v) for k, v in case.originals.items()}
+    T, H, R = o["q_pe"].shape
+    cos_sin_cache = _cpu(case.cos_sin_cache)
+    pos = clamp_positions(_cpu(case.positions), T, cos_sin_cache.shape[0])
+    k_rot, k_mag = rope64(o["k_pe"].reshape(T, R), pos, cos_sin_cache, case.is_neox)
+    k_out, k_nope = _cpu(case.k_out), _cpu(case.k_nope)
+    P = k_nope.shape[-1]
+    nope, rope = k_out[..., :P], k_out[..., P:]
+    if k_out.dtype in FP8:
+        fmax = torch.finfo(k_out.dtype).max
+        want = k_nope.float().clamp(-fmax, fmax).to(k_out.dtype)
+        assert torch.equal(_bytes(nope), _bytes(want)), "k_out nope part is not saturate(k_nope) in fp8, bit for bit"
+    else:
+        assert torch.equal(nope, k_nope.to(k_out.dtype)), "k_out nope part must be an exact copy of k_nope"
+    assert_close_to_ref(rope, k_rot[:, None, :].expand(T, H, R), k_mag[:, None, :].expand(T, H, R),
+                        "k_out rope part")  # fmt: skip

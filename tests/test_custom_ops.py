@@ -11,7 +11,7 @@ from vllm_mla_fusion import dispatch
 
 from .conftest import HAS_GPU, OP_BACKENDS
 from .mla_cases import make_case
-from .mla_reference import check_decode_rope_cache_write, check_rope_cache_write
+from .mla_reference import check_decode_rope_cache_write, check_prefill_rope_cache_write, check_rope_cache_write
 
 
 @pytest.mark.parametrize("backend", OP_BACKENDS)
@@ -27,6 +27,12 @@ def test_opcheck_decode_rope_cache_write(backend):
     # (fp8 q_out is covered against the reference in test_ops.py).
     case = make_case(T=5, H=2, decode=True, cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.5, seed=2)
     opcheck(torch.ops.mla_fusion.mla_decode_rope_cache_write, (*case.decode_args(), True, backend))
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+def test_opcheck_prefill_rope_cache_write(backend):
+    case = make_case(T=5, H=2, prefill=True, cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.5, seed=6)
+    opcheck(torch.ops.mla_fusion.mla_prefill_rope_cache_write, (*case.prefill_args(), backend))
 
 
 @pytest.mark.parametrize("backend", OP_BACKENDS)
@@ -67,6 +73,32 @@ def test_compile_inductor_decode(backend):
 
     step(*case.decode_args())
     check_decode_rope_cache_write(case)
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+def test_compile_prefill_like_vllm(backend):
+    """vLLM's prefill: k_nope is a split view of kv_b_proj's output, k_out a fresh tensor
+    read by the attention that follows, q_pe a slice of q mutated in place."""
+    torch._dynamo.reset()
+    case = make_case(T=5, H=3, prefill=True, seed=8)
+    T, H = 5, 3
+    P, R = case.k_nope.shape[-1], case.q_pe.shape[-1]
+
+    def step(q, kv_nope, k_pe, kv_c, positions, cos_sin_cache, slot_mapping, kv_cache):
+        k_nope = kv_nope[..., :P]
+        k = torch.empty((T, H, P + R), dtype=q.dtype)
+        mla.mla_prefill_rope_cache_write(positions, q[..., P:], k_pe, kv_c, k_nope, cos_sin_cache, False,
+                                         slot_mapping, kv_cache, k, backend=backend)  # fmt: skip
+        return (q.float() @ k.float().transpose(-1, -2)).sum(), k
+
+    q = torch.randn(T, H, P + R).bfloat16()
+    kv_nope = torch.cat((case.k_nope, torch.randn(T, H, 8).bfloat16()), dim=-1)
+    args = lambda: (q.clone(), kv_nope, case.k_pe.clone(), case.kv_c, case.positions, case.cos_sin_cache,  # noqa: E731
+                    case.slot_mapping, case.kv_cache.clone())  # fmt: skip
+    want = step(*args())
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = compiled(*args())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_auto_dispatch_on_cpu_uses_torch(monkeypatch):

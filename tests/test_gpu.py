@@ -19,12 +19,14 @@ from .mla_cases import FP8_DTYPES, make_case, out_of_range_slot_case, scaled_fp8
 from .mla_reference import (  # noqa: E402
     check_decode_rope_cache_write,
     check_identity_rope_stores,
+    check_prefill_rope_cache_write,
     check_rope_cache_write,
 )
 
 pytestmark = pytest.mark.gpu
 
 DSV3 = dict(L=512, R=64)
+DSV3_PREFILL = dict(L=512, R=64, nope_dim=128, prefill=True)
 CACHES = [
     (torch.bfloat16, "auto", None),
     (torch.float16, "auto", None),
@@ -76,6 +78,34 @@ def test_decode_dsv3(T, H, q_out, is_nope_first):
     check_decode_rope_cache_write(case)
 
 
+@pytest.mark.parametrize("T", [1, 3, 16, 64, 257, 2048])
+@pytest.mark.parametrize("H", [16, 128])
+@pytest.mark.parametrize("k_out_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("block_size", [1, 64])
+def test_prefill_dsv3(T, H, k_out_dtype, block_size):
+    case = make_case(T=T, H=H, k_out_dtype=k_out_dtype, block_size=block_size, device="cuda", seed=T + 3 * H,
+                     **DSV3_PREFILL)  # fmt: skip
+    mla.mla_prefill_rope_cache_write(*case.prefill_args(), backend="triton")
+    check_prefill_rope_cache_write(case)
+
+
+@pytest.mark.parametrize("cache_dtype,kv_cache_dtype,scale", CACHES, ids=str)
+@pytest.mark.parametrize("k_out_dtype", [None, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz], ids=str)
+def test_prefill_dtypes_dsv3(cache_dtype, kv_cache_dtype, scale, k_out_dtype):
+    case = make_case(T=100, H=16, cache_dtype=cache_dtype, kv_cache_dtype=kv_cache_dtype, scale=scale,
+                     k_out_dtype=k_out_dtype, k_out_strided=True, block_pad=64, index_dtype=torch.int32,
+                     positions="out_of_range", device="cuda", seed=4, **DSV3_PREFILL)  # fmt: skip
+    mla.mla_prefill_rope_cache_write(*case.prefill_args(), backend="triton")
+    check_prefill_rope_cache_write(case)
+
+
+@pytest.mark.parametrize("T,H", [(16384, 16), (4096, 128)])
+def test_prefill_large(T, H):
+    case = make_case(T=T, H=H, block_size=64, pad_every=97, device="cuda", seed=6, **DSV3_PREFILL)
+    mla.mla_prefill_rope_cache_write(*case.prefill_args(), backend="triton")
+    check_prefill_rope_cache_write(case)
+
+
 @pytest.mark.parametrize("cache_dtype,kv_cache_dtype,scale", CACHES, ids=str)
 def test_fp8_bit_encoder_matches_native_conversion(monkeypatch, cache_dtype, kv_cache_dtype, scale):
     """The kernel's own fp8 encoder (used by the interpreter and for e4m3fnuz on NVIDIA) and the
@@ -88,9 +118,14 @@ def test_fp8_bit_encoder_matches_native_conversion(monkeypatch, cache_dtype, kv_
                          cache_dtype=cache_dtype, kv_cache_dtype=kv_cache_dtype, scale=scale, pad_every=0,
                          device="cuda", seed=3, **DSV3)  # fmt: skip
         mla.mla_decode_rope_cache_write(*case.decode_args(), backend="triton")
-        outs.append((case.kv_cache.view(torch.uint8).clone(), case.q_out.view(torch.uint8).clone()))
-    assert torch.equal(outs[0][0], outs[1][0])
-    assert torch.equal(outs[0][1], outs[1][1])
+        key = make_case(T=300, H=16, k_out_dtype=torch.float8_e5m2, cache_dtype=cache_dtype,
+                        kv_cache_dtype=kv_cache_dtype, scale=scale, pad_every=0, device="cuda", seed=3,
+                        **DSV3_PREFILL)  # fmt: skip
+        mla.mla_prefill_rope_cache_write(*key.prefill_args(), backend="triton")
+        outs.append((case.kv_cache.view(torch.uint8).clone(), case.q_out.view(torch.uint8).clone(),
+                     key.kv_cache.view(torch.uint8).clone(), key.k_out.view(torch.uint8).clone()))  # fmt: skip
+    for native, encoded in zip(outs[0], outs[1], strict=True):
+        assert torch.equal(native, encoded)
 
 
 def test_torch_backend_on_gpu_matches_reference():
@@ -109,26 +144,33 @@ def test_auto_dispatch_on_gpu_is_triton(monkeypatch):
     check_rope_cache_write(case)
 
 
-@pytest.mark.parametrize("decode", [False, True])
-def test_cuda_graph_replay_with_changing_inputs(decode):
+@pytest.mark.parametrize("op", ["rope_cache", "decode", "prefill"])
+def test_cuda_graph_replay_with_changing_inputs(op):
     """Capture once, then change positions, slots (incl. -1 padding) and activations in place
-    between replays, as vLLM's padded decode batches do; every replay must match the reference."""
+    between replays, as vLLM's padded batches do; every replay must match the reference."""
     T, H = 32, 16
-    base = make_case(T=T, H=H, decode=decode, cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.5,
-                     q_out_dtype=torch.bfloat16, block_size=16, device="cuda", seed=0, **DSV3)  # fmt: skip
-    args = base.decode_args() if decode else base.rope_args()
-    run = (lambda: mla.mla_decode_rope_cache_write(*args, backend="triton")) if decode else (
-        lambda: mla.mla_rope_cache_write(*args, backend="triton"))  # fmt: skip
+    kind = dict(decode=op == "decode", prefill=op == "prefill", nope_dim=128)
+    base = make_case(T=T, H=H, cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.5, q_out_dtype=torch.bfloat16,
+                     block_size=16, device="cuda", seed=0, **kind, **DSV3)  # fmt: skip
+    run, check = {
+        "rope_cache": (lambda: mla.mla_rope_cache_write(*base.rope_args(), backend="triton"), check_rope_cache_write),
+        "decode": (lambda: mla.mla_decode_rope_cache_write(*base.decode_args(), backend="triton"),
+                   check_decode_rope_cache_write),
+        "prefill": (lambda: mla.mla_prefill_rope_cache_write(*base.prefill_args(), backend="triton"),
+                    check_prefill_rope_cache_write),
+    }[op]  # fmt: skip
     run()  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
     for step in range(4):
-        fresh = make_case(T=T, H=H, decode=decode, cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.5,
+        fresh = make_case(T=T, H=H, cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.5,
                           q_out_dtype=torch.bfloat16, block_size=16, pad_every=step + 2, device="cuda",
-                          seed=100 + step, positions="out_of_range" if step == 3 else "random", **DSV3)  # fmt: skip
-        for name in ("positions", "q_pe", "k_pe", "kv_c", "slot_mapping", "kv_cache", "ql_nope", "q_out"):
+                          seed=100 + step, positions="out_of_range" if step == 3 else "random", **kind,
+                          **DSV3)  # fmt: skip
+        for name in ("positions", "q_pe", "k_pe", "kv_c", "slot_mapping", "kv_cache", "ql_nope", "q_out", "k_nope",
+                     "k_out"):  # fmt: skip
             dst = getattr(base, name)
             if dst is not None:
                 dst.copy_(getattr(fresh, name))
@@ -137,7 +179,7 @@ def test_cuda_graph_replay_with_changing_inputs(decode):
         base.snapshot()
         graph.replay()
         torch.cuda.synchronize()
-        (check_decode_rope_cache_write if decode else check_rope_cache_write)(base)
+        check(base)
 
 
 def test_addressing_past_2_to_the_31_elements():
@@ -248,7 +290,7 @@ SANITIZE_CASES = [
 
 @pytest.mark.parametrize("layout", SANITIZE_CASES, ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
 def test_sanitize_core_cases(layout):
-    """A compact set covering both ops, every store mode and the padding/clamping paths;
+    """A compact set covering the three ops, every store mode and the padding/clamping paths;
     scripts/gpu_check.sh runs these under compute-sanitizer (memcheck and racecheck)."""
     case = make_case(device="cuda", seed=21, **DSV3, **layout)
     mla.mla_rope_cache_write(*case.rope_args(), backend="triton")
@@ -258,6 +300,10 @@ def test_sanitize_core_cases(layout):
                      q_scale=0.3 if fp8 else None, **DSV3, **layout)  # fmt: skip
     mla.mla_decode_rope_cache_write(*case.decode_args(), backend="triton")
     check_decode_rope_cache_write(case)
+    case = make_case(device="cuda", seed=23, prefill=True, nope_dim=128, k_out_strided=True,
+                     k_out_dtype=torch.float8_e4m3fn if fp8 else None, **DSV3, **layout)  # fmt: skip
+    mla.mla_prefill_rope_cache_write(*case.prefill_args(), backend="triton")
+    check_prefill_rope_cache_write(case)
 
 
 @pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
@@ -279,20 +325,23 @@ def test_native_fp8_store_saturates(q_dtype):
 
 
 def test_torch_compile_with_cuda_graphs():
-    """Inductor + CUDA graphs ("reduce-overhead"), fullgraph: both ops inside one compiled step
+    """Inductor + CUDA graphs ("reduce-overhead"), fullgraph: the three ops inside one compiled step
     that slices its inputs the way vLLM's MLA forward does; replays match eager calls."""
     torch._dynamo.reset()
     T, H, L, R, nope = 24, 16, 512, 64, 128
 
-    def step(q, kv_a, ql_nope, positions, cos_sin_cache, slot_mapping, kv_cache, q_out, scale):
+    def step(q, kv_a, ql_nope, kv_nope, positions, cos_sin_cache, slot_mapping, kv_cache, q_out, k_out, scale):
         kv_c, k_pe = kv_a.split([L, R], dim=-1)
         kv_c = kv_c * 1.0
-        n = T // 2  # decode tokens first, then prefill tokens
-        mla.mla_decode_rope_cache_write(positions[:n], ql_nope[:n], q[:n, :, nope:], k_pe[:n], kv_c[:n],
-                                        cos_sin_cache, False, slot_mapping[:n], kv_cache, q_out[:n], "fp8", scale,
+        a, b = T // 3, 2 * T // 3  # decode tokens first, then prefill tokens (op 1, then op 3)
+        mla.mla_decode_rope_cache_write(positions[:a], ql_nope[:a], q[:a, :, nope:], k_pe[:a], kv_c[:a],
+                                        cos_sin_cache, False, slot_mapping[:a], kv_cache, q_out[:a], "fp8", scale,
                                         scale)  # fmt: skip
-        mla.mla_rope_cache_write(positions[n:], q[n:, :, nope:], k_pe[n:], kv_c[n:], cos_sin_cache, False,
-                                 slot_mapping[n:], kv_cache, "fp8", scale)  # fmt: skip
+        mla.mla_rope_cache_write(positions[a:b], q[a:b, :, nope:], k_pe[a:b], kv_c[a:b], cos_sin_cache, False,
+                                 slot_mapping[a:b], kv_cache, "fp8", scale)  # fmt: skip
+        mla.mla_prefill_rope_cache_write(positions[b:], q[b:, :, nope:], k_pe[b:], kv_c[b:], kv_nope[b:, :, :nope],
+                                         cos_sin_cache, False, slot_mapping[b:], kv_cache, k_out[b:], "fp8",
+                                         scale)  # fmt: skip
 
     compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -301,10 +350,12 @@ def test_torch_compile_with_cuda_graphs():
         g = gen.manual_seed(seed)
         mk = lambda *s: torch.randn(*s, generator=g).to("cuda", torch.bfloat16)  # noqa: E731
         nb = 4
-        return [mk(T, H, nope + R), mk(T, L + R), mk(T, H, L), torch.randint(0, 4096, (T,), generator=g).cuda(),
+        return [mk(T, H, nope + R), mk(T, L + R), mk(T, H, L), mk(T, H, nope + 128),
+                torch.randint(0, 4096, (T,), generator=g).cuda(),
                 torch.randn(4096, R, generator=g).cuda(), torch.randperm(nb * 64, generator=g)[:T].cuda(),
                 torch.zeros(nb, 64, L + R, dtype=torch.uint8, device="cuda"),
                 torch.zeros(T, H, L + R, dtype=torch.float8_e4m3fn, device="cuda"),
+                torch.zeros(T, H, nope + R, dtype=torch.bfloat16, device="cuda"),
                 torch.tensor([0.3], device="cuda")]  # fmt: skip
 
     for seed in range(4):
@@ -312,6 +363,6 @@ def test_torch_compile_with_cuda_graphs():
         step(*eager_args)
         compiled(*compiled_args)
         torch.cuda.synchronize()
-        for a, b in zip(eager_args, compiled_args):  # q rotated in place, the cache and q_out written
+        for a, b in zip(eager_args, compiled_args):  # q rotated in place, the cache, q_out and k_out written
             assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a, b.view(torch.uint8)
                                if b.dtype.itemsize == 1 else b)  # fmt: skip

@@ -1,4 +1,4 @@
-"""Both ops, on every backend this machine runs, against the float64 reference.
+"""The three ops, on every backend this machine runs, against the float64 reference.
 
 On a CPU-only machine "triton" is the real kernel run by Triton's interpreter
 (conftest sets TRITON_INTERPRET=1), so shapes stay small. The same matrix at
@@ -14,7 +14,12 @@ import vllm_mla_fusion as mla
 
 from .conftest import OP_BACKENDS
 from .mla_cases import FP8_DTYPES, LAYOUT_NAMES, fp8_near_ties, make_case, out_of_range_slot_case, scaled_fp8_case
-from .mla_reference import check_decode_rope_cache_write, check_identity_rope_stores, check_rope_cache_write
+from .mla_reference import (
+    check_decode_rope_cache_write,
+    check_identity_rope_stores,
+    check_prefill_rope_cache_write,
+    check_rope_cache_write,
+)
 
 # (T, H): decode-sized, prefill-sized and odd shapes.
 SIZES = [(1, 1), (2, 16), (5, 3), (8, 128), (37, 3), (64, 16)]
@@ -42,6 +47,11 @@ def _run_rope(case, backend):
 def _run_decode(case, backend):
     mla.mla_decode_rope_cache_write(*case.decode_args(), is_nope_first=case.is_nope_first, backend=backend)
     check_decode_rope_cache_write(case)
+
+
+def _run_prefill(case, backend):
+    mla.mla_prefill_rope_cache_write(*case.prefill_args(), backend=backend)
+    check_prefill_rope_cache_write(case)
 
 
 @pytest.mark.parametrize("backend", OP_BACKENDS)
@@ -342,3 +352,81 @@ def test_scaled_fp8_stores_match_torch_bit_for_bit(backend, dtype, scale):
     case = scaled_fp8_case(dtype, scale, T=4, H=2, L=512, R=16, seed=31)
     _run_decode(case, backend)  # latent parts byte-exact, rope within one rounding
     check_identity_rope_stores(case)  # rope parts byte-exact too
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@pytest.mark.parametrize("T,H", [(1, 1), (3, 16), (7, 3), (2, 128), (33, 2)])
+@pytest.mark.parametrize("is_neox", [False, True])
+def test_prefill_sizes(backend, T, H, is_neox):
+    case = make_case(T=T, H=H, is_neox=is_neox, prefill=True, seed=100 + 7 * T + H)
+    _run_prefill(case, backend)
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@pytest.mark.parametrize(
+    "cache_dtype,kv_cache_dtype,scale,k_out_dtype,act_dtype",
+    [
+        (torch.bfloat16, "auto", None, torch.bfloat16, torch.bfloat16),
+        (torch.float16, "auto", None, torch.float16, torch.float16),
+        (torch.float32, "auto", None, torch.float32, torch.float32),
+        (torch.uint8, "fp8", 0.4, torch.bfloat16, torch.bfloat16),
+        (torch.uint8, "fp8", 0.4, torch.float8_e4m3fn, torch.bfloat16),
+        (torch.float8_e4m3fnuz, "auto", 0.2, torch.float8_e4m3fnuz, torch.bfloat16),
+        (torch.uint8, "fp8_e5m2", 2.0, torch.float8_e5m2, torch.float16),
+        (torch.bfloat16, "auto", None, torch.float8_e4m3fn, torch.bfloat16),
+    ],
+    ids=str,
+)
+def test_prefill_dtypes(backend, cache_dtype, kv_cache_dtype, scale, k_out_dtype, act_dtype):
+    case = make_case(T=6, H=3, prefill=True, cache_dtype=cache_dtype, kv_cache_dtype=kv_cache_dtype, scale=scale,
+                     k_out_dtype=k_out_dtype, act_dtype=act_dtype, seed=17)  # fmt: skip
+    _run_prefill(case, backend)
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(block_size=1, positions="out_of_range"),
+        dict(block_size=64, block_pad=24, index_dtype=torch.int32),
+        dict(pad_every=1),  # padded tokens write no cache row but still get their key row
+        dict(strided=False, k_pe_3d=True, cs_dtype=torch.bfloat16),
+        dict(k_out_strided=True),
+        dict(L=48, R=10, nope_dim=20, is_neox=True),
+        dict(nope_dim=700, H=2, T=3),  # a nope width past one 512-column tile
+        dict(L=512, R=64, nope_dim=128, T=2, H=16),  # DeepSeek dims
+    ],
+    ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()),
+)
+def test_prefill_layouts(backend, layout):
+    layout = {"T": 9, "H": 2, **layout}
+    case = make_case(prefill=True, seed=29, **layout)
+    _run_prefill(case, backend)
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2])
+def test_prefill_fp8_key_saturates(backend, dtype):
+    """An fp8 key clamps values past the format's range, where tensor.to(fp8) gives NaN
+    (e4m3fnuz) or inf (e5m2); NaN stays NaN."""
+    case = make_case(T=4, H=2, prefill=True, k_out_dtype=dtype, pad_every=0, seed=31)
+    case.k_nope.mul_(1e5)
+    case.k_nope[0, 0, 0] = float("nan")
+    case.snapshot()
+    mla.mla_prefill_rope_cache_write(*case.prefill_args(), backend=backend)
+    nope = case.k_out[..., : case.k_nope.shape[-1]].float()
+    assert nope.isnan().sum() == 1 and nope[0, 0, 0].isnan()
+    assert nope.nan_to_num().abs().max() == torch.finfo(dtype).max
+    check_prefill_rope_cache_write(case)
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+def test_prefill_matches_op1_plus_concat(backend):
+    """Op 3 is op 1 followed by vLLM's key concat: same q_pe, k_pe and cache bytes, and the key
+    torch.cat would build from the rotated k_pe (for a k_out of the input dtype)."""
+    a = make_case(T=11, H=4, prefill=True, cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.3, seed=37)
+    b = make_case(T=11, H=4, prefill=True, cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.3, seed=37)
+    mla.mla_prefill_rope_cache_write(*a.prefill_args(), backend=backend)
+    mla.mla_rope_cache_write(*b.rope_args(), backend=backend)
+    for name in ("q_pe", "k_pe", "kv_cache"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    key = torch.cat((b.k_nope, b.k_pe[:, None, :].expand(-1, 4, -1)), dim=-1)
+    assert torch.equal(a.k_out, key)

@@ -19,7 +19,7 @@ import vllm_mla_fusion as mla
 
 from .conftest import OP_BACKENDS
 from .mla_cases import make_case
-from .mla_reference import check_decode_rope_cache_write, check_rope_cache_write
+from .mla_reference import check_decode_rope_cache_write, check_prefill_rope_cache_write, check_rope_cache_write
 
 settings.register_profile("ci", max_examples=100, deadline=None, derandomize=True, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
@@ -41,7 +41,7 @@ CACHE_KINDS = [
 
 
 @st.composite
-def layouts(draw, decode: bool):
+def layouts(draw, decode: bool = False, prefill: bool = False):
     cache_dtype, kv_cache_dtype = draw(st.sampled_from(CACHE_KINDS))
     fp8_cache = cache_dtype in (torch.uint8, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2)
     act = draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
@@ -77,6 +77,12 @@ def layouts(draw, decode: bool):
         q_dtype = torch.float8_e4m3fn if q_fp8 else draw(st.sampled_from([act, torch.float32]))
         kw.update(decode=True, q_out_dtype=q_dtype, q_scale=draw(st.sampled_from([None, 0.2, 5.0])),
                   is_nope_first=draw(st.booleans()))  # fmt: skip
+    if prefill:
+        k_fp8 = draw(st.booleans())
+        k_dtype = draw(st.sampled_from([torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2])) if k_fp8 \
+            else act  # fmt: skip
+        kw.update(prefill=True, nope_dim=draw(st.integers(1, 40)), k_out_dtype=k_dtype,
+                  k_out_strided=draw(st.booleans()))  # fmt: skip
     return kw
 
 
@@ -94,3 +100,11 @@ def test_decode_rope_cache_write_property(backend, layout):
     case = make_case(**layout)
     mla.mla_decode_rope_cache_write(*case.decode_args(), is_nope_first=case.is_nope_first, backend=backend)
     check_decode_rope_cache_write(case)
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@given(layout=layouts(prefill=True))
+def test_prefill_rope_cache_write_property(backend, layout):
+    case = make_case(**layout)
+    mla.mla_prefill_rope_cache_write(*case.prefill_args(), backend=backend)
+    check_prefill_rope_cache_write(case)

@@ -272,3 +272,53 @@ class TestDebugMode:
         case = make_case(T=6, H=2, positions="edges", decode=decode)
         _call(case, "public", backend, decode)
         (check_decode_rope_cache_write if decode else check_rope_cache_write)(case)
+
+
+PREFILL_BAD = [
+    ("k_out shape", lambda c: setattr(c, "k_out", c.k_out[..., :-1]), ValueError, "k_out"),
+    ("k_out tokens", lambda c: setattr(c, "k_out", c.k_out[:-1]), ValueError, "k_out"),
+    ("k_out int", lambda c: setattr(c, "k_out", c.k_out.view(torch.int16)), TypeError, "k_out"),
+    ("k_out uint8", lambda c: setattr(c, "k_out", c.k_out.view(torch.uint8)[..., : c.k_out.shape[-1]]), TypeError,
+     "k_out"),
+    ("k_out other float", lambda c: setattr(c, "k_out", c.k_out.half()), TypeError, "k_out"),
+    ("k_out 2-D", lambda c: setattr(c, "k_out", c.k_out[:, 0]), ValueError, "k_out"),
+    ("k_nope heads", lambda c: setattr(c, "k_nope", c.k_nope[:, :1]), ValueError, "k_nope"),
+    ("k_nope tokens", lambda c: setattr(c, "k_nope", c.k_nope[:-1]), ValueError, "k_nope"),
+    ("k_nope dtype", lambda c: setattr(c, "k_nope", c.k_nope.float()), TypeError, "k_nope"),
+    ("k_nope 2-D", lambda c: setattr(c, "k_nope", c.k_nope[:, 0]), ValueError, "k_nope"),
+    ("k_nope empty", lambda c: (setattr(c, "k_nope", c.k_nope[..., :0]), setattr(c, "k_out", c.k_out[..., :16])),
+     ValueError, "k_nope"),
+    ("k_nope not a tensor", lambda c: setattr(c, "k_nope", None), TypeError, "k_nope"),
+    ("k_out meta device", lambda c: setattr(c, "k_out", c.k_out.to("meta")), ValueError, "k_out"),
+    ("q_pe rank", lambda c: setattr(c, "q_pe", c.q_pe[:, 0]), ValueError, "q_pe"),
+    ("slot_mapping float", lambda c: setattr(c, "slot_mapping", c.slot_mapping.half()), TypeError, "slot_mapping"),
+]
+
+
+def _call_prefill(case, entry, backend):
+    args = case.prefill_args()
+    if entry == "public":
+        mla.mla_prefill_rope_cache_write(*args, backend=backend)
+    else:
+        torch.ops.mla_fusion.mla_prefill_rope_cache_write(*args, backend)
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("what,mutate,exc,words", PREFILL_BAD, ids=[b[0] for b in PREFILL_BAD])
+def test_prefill_rejects(backend, entry, what, mutate, exc, words):
+    case = make_case(T=5, H=2, prefill=True, seed=4)
+    live = {**_live(case), "k_out": case.k_out}
+    mutate(case)
+    with pytest.raises(exc, match=words):
+        _call_prefill(case, entry, backend)
+    _unchanged(case, live)
+
+
+def test_prefill_keyword_names_are_the_documented_ones():
+    """The op is keyword-callable with exactly the names of the issue's signature."""
+    case = make_case(T=3, H=2, prefill=True, seed=5)
+    names = ("positions", "q_pe", "k_pe", "kv_c", "k_nope", "cos_sin_cache", "is_neox", "slot_mapping", "kv_cache",
+             "k_out", "kv_cache_dtype", "kv_cache_scale")  # fmt: skip
+    mla.mla_prefill_rope_cache_write(**dict(zip(names, case.prefill_args(), strict=True)), backend="torch")
+    assert not torch.equal(case.k_out.view(torch.uint8), case.originals["k_out"].view(torch.uint8))

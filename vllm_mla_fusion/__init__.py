@@ -7,13 +7,22 @@ Public ops (also registered as ``torch.ops.mla_fusion.*``):
   ``concat_and_cache_mla_rope_fused``).
 - :func:`mla_decode_rope_cache_write`: the same cache write plus the decode
   query ``[ql_nope | rope(q_pe)]`` (optionally fp8), in one launch.
+- :func:`mla_prefill_rope_cache_write`: op 1 plus the prefill attention key
+  ``[k_nope | rope(k_pe)]`` (optionally fp8), in one launch.
 
 Importing this package needs only torch: Triton, AITER and vLLM are imported
 when a backend or the plugin is first used.
 """
 
 from .dispatch import BACKENDS, available_backends
-from .ops import mla_decode_rope_cache_write, mla_rope_cache_write
+from .ops import mla_decode_rope_cache_write, mla_prefill_rope_cache_write, mla_rope_cache_write
 
 __version__ = "0.1.0"
-__all__ = ["mla_rope_cache_write", "mla_decode_rope_cache_write", "available_backends", "BACKENDS", "__version__"]
+__all__ = [
+    "mla_rope_cache_write",
+    "mla_decode_rope_cache_write",
+    "mla_prefill_rope_cache_write",
+    "available_backends",
+    "BACKENDS",
+    "__version__",
+]

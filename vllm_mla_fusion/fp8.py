@@ -87,6 +87,11 @@ def cache_store_dtype(kv_cache: torch.Tensor, kv_cache_dtype: str) -> torch.dtyp
     return dtype
 
 
+def float_dtype_of_name(kv_cache_dtype: str) -> torch.dtype | None:
+    """The float dtype a non-fp8 ``kv_cache_dtype`` name denotes (None for "auto" and fp8 names)."""
+    return _FLOAT_NAMES.get(kv_cache_dtype.lower())
+
+
 def typed_view(t: torch.Tensor, store_dtype: torch.dtype) -> torch.Tensor:
     """``t`` viewed as ``store_dtype`` (uint8 fp8 storage becomes a typed fp8 view)."""
     return t if t.dtype == store_dtype else t.view(store_dtype)

@@ -5,20 +5,32 @@ Each public function is a thin call of its custom op, so eager code,
 the same path: validation (shape/dtype only, no sync), backend selection
 (dispatch.py), one backend call. The fakes run the same validation, so a bad
 call fails at trace time with the same message.
+
+``eager`` holds the custom ops' bodies themselves (same validation, selection
+and backend call, positional arguments as in ``torch.ops.mla_fusion.*``), for
+callers that already run inside an opaque custom op, such as the vLLM plugin's
+attention op: nothing traces there, and the dispatcher's per-call host cost
+would be paid per layer and step for nothing.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from . import dispatch
-from .validation import check_argument_types, check_decode_rope_cache_write, check_rope_cache_write
+from .validation import (
+    check_argument_types,
+    check_decode_rope_cache_write,
+    check_prefill_rope_cache_write,
+    check_rope_cache_write,
+)
 
-__all__ = ["mla_rope_cache_write", "mla_decode_rope_cache_write"]
+__all__ = ["mla_rope_cache_write", "mla_decode_rope_cache_write", "mla_prefill_rope_cache_write", "eager"]
 
 
-@torch.library.custom_op("mla_fusion::mla_rope_cache_write", mutates_args=("q_pe", "k_pe", "kv_cache"))
-def _mla_rope_cache_write_op(
+def _rope_cache_write(
     positions: torch.Tensor,
     q_pe: torch.Tensor,
     k_pe: torch.Tensor,
@@ -42,6 +54,11 @@ def _mla_rope_cache_write_op(
     )
 
 
+_mla_rope_cache_write_op = torch.library.custom_op(
+    "mla_fusion::mla_rope_cache_write", mutates_args=("q_pe", "k_pe", "kv_cache")
+)(_rope_cache_write)
+
+
 @_mla_rope_cache_write_op.register_fake
 def _(positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache,
       kv_cache_dtype="auto", kv_cache_scale=None, backend="auto") -> None:  # fmt: skip
@@ -51,8 +68,7 @@ def _(positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cach
     dispatch.requested_backend(backend)
 
 
-@torch.library.custom_op("mla_fusion::mla_decode_rope_cache_write", mutates_args=("kv_cache", "q_out"))
-def _mla_decode_rope_cache_write_op(
+def _decode_rope_cache_write(
     positions: torch.Tensor,
     ql_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -82,12 +98,79 @@ def _mla_decode_rope_cache_write_op(
     )  # fmt: skip
 
 
+_mla_decode_rope_cache_write_op = torch.library.custom_op(
+    "mla_fusion::mla_decode_rope_cache_write", mutates_args=("kv_cache", "q_out")
+)(_decode_rope_cache_write)
+
+
 @_mla_decode_rope_cache_write_op.register_fake
 def _(positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, q_out,
       kv_cache_dtype="auto", kv_cache_scale=None, q_scale=None, is_nope_first=True, backend="auto") -> None:  # fmt: skip
     check_decode_rope_cache_write(
         positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, q_out,
         kv_cache_dtype, kv_cache_scale, q_scale, is_nope_first,
+    )  # fmt: skip
+    dispatch.requested_backend(backend)
+
+
+def _prefill_rope_cache_write(
+    positions: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_nope: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    k_out: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    kv_cache_scale: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> None:
+    p = check_prefill_rope_cache_write(
+        positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping, kv_cache, k_out,
+        kv_cache_dtype, kv_cache_scale,
+    )  # fmt: skip
+    name = dispatch.resolve(backend, q_pe.device, decode=False, problem=p)
+    if p.num_tokens == 0:
+        return
+    dispatch.load(name).prefill_rope_cache_write(
+        p, positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping, kv_cache, k_out, kv_cache_scale
+    )
+
+
+_mla_prefill_rope_cache_write_op = torch.library.custom_op(
+    "mla_fusion::mla_prefill_rope_cache_write", mutates_args=("q_pe", "k_pe", "kv_cache", "k_out")
+)(_prefill_rope_cache_write)
+
+def _named(qualname: str, body):
+    """``body`` under the custom op's name in a torch.profiler trace (when one is recording),
+    so that a profile shows the same op names whichever entry point ran."""
+
+    def call(*args):
+        if torch.autograd._profiler_enabled():
+            with torch.profiler.record_function(qualname):
+                return body(*args)
+        return body(*args)
+
+    call.__name__, call.__doc__ = body.__name__, body.__doc__
+    return call
+
+
+eager = SimpleNamespace(
+    mla_rope_cache_write=_named("mla_fusion::mla_rope_cache_write", _rope_cache_write),
+    mla_decode_rope_cache_write=_named("mla_fusion::mla_decode_rope_cache_write", _decode_rope_cache_write),
+    mla_prefill_rope_cache_write=_named("mla_fusion::mla_prefill_rope_cache_write", _prefill_rope_cache_write),
+)
+
+
+@_mla_prefill_rope_cache_write_op.register_fake
+def _(positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping, kv_cache, k_out,
+      kv_cache_dtype="auto", kv_cache_scale=None, backend="auto") -> None:  # fmt: skip
+    check_prefill_rope_cache_write(
+        positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping, kv_cache, k_out,
+        kv_cache_dtype, kv_cache_scale,
     )  # fmt: skip
     dispatch.requested_backend(backend)
 
@@ -193,4 +276,54 @@ def mla_decode_rope_cache_write(
     torch.ops.mla_fusion.mla_decode_rope_cache_write(
         positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, q_out,
         kv_cache_dtype, kv_cache_scale, q_scale, is_nope_first, backend or "auto",
+    )  # fmt: skip
+
+
+def mla_prefill_rope_cache_write(
+    positions: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_nope: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    k_out: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    kv_cache_scale: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
+) -> None:
+    """The prefill epilogue of an MLA layer in one kernel launch: RoPE, cache rows and the attention key.
+
+    Everything :func:`mla_rope_cache_write` does (``q_pe`` and ``k_pe`` rotated
+    in place, ``[kv_c | rope(k_pe)]`` written at each valid slot), plus the full
+    key of MHA-style prefill attention, for every token ``t < T`` (padding
+    tokens included):
+
+        ``k_out[t, h, :P] = k_nope[t, h]`` and ``k_out[t, h, P:] = rope(k_pe[t])``.
+
+    Args:
+        k_nope: ``[T, H, P]`` (``P = qk_nope_head_dim``), q_pe's dtype, any
+            strides (vLLM hands over a split view of ``kv_b_proj``'s output). Read only.
+        k_out: ``[T, H, P + R]``, any strides, **written** for every token. Its
+            dtype is q_pe's (the nope part an exact copy) or an fp8 type
+            (``float8_e4m3fn``, ``float8_e4m3fnuz``, ``float8_e5m2``) for fp8
+            prefill attention. fp8 stores ``saturate(x)`` with no scale, as vLLM
+            casts the key without one. Unlike ``tensor.to(fp8)``, which turns a
+            value past the format's largest finite number into NaN (e4m3) or inf
+            (e5m2), the op clamps it to that largest number; NaN stays NaN.
+
+    The other arguments are those of :func:`mla_rope_cache_write`. The rope part
+    of ``k_out`` is the float32 rotation rounded once to ``k_out``'s dtype (for an
+    fp8 key: not rounded through ``k_pe``'s dtype first). The AITER backend has no
+    such op: on ROCm the Triton kernel runs it.
+    """
+    check_argument_types(positions=positions, q_pe=q_pe, k_pe=k_pe, kv_c=kv_c, k_nope=k_nope,
+                         cos_sin_cache=cos_sin_cache, is_neox=is_neox, slot_mapping=slot_mapping, kv_cache=kv_cache,
+                         k_out=k_out, kv_cache_dtype=kv_cache_dtype, kv_cache_scale=kv_cache_scale)  # fmt: skip
+    torch.ops.mla_fusion.mla_prefill_rope_cache_write(
+        positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping, kv_cache, k_out,
+        kv_cache_dtype, kv_cache_scale, backend or "auto",
     )  # fmt: skip

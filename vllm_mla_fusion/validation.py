@@ -32,6 +32,8 @@ class Problem:
     rope_dim: int  # R
     cache_dtype: torch.dtype  # element format stored in kv_cache (typed fp8 for uint8 storage)
     q_out_dtype: torch.dtype | None = None  # decode op only
+    nope_dim: int | None = None  # P, prefill op only
+    k_out_dtype: torch.dtype | None = None  # prefill op only
 
 
 def _require_tensor(name: str, t: object) -> torch.Tensor:
@@ -216,6 +218,50 @@ def check_decode_rope_cache_write(
     _check_scale("q_scale", q_scale, q_pe.device)
     _debug_check_indices(p, positions, slot_mapping, cos_sin_cache, kv_cache)
     return Problem(T, H, L, R, p.cache_dtype, q_out.dtype)
+
+
+def check_prefill_rope_cache_write(
+    positions,
+    q_pe,
+    k_pe,
+    kv_c,
+    k_nope,
+    cos_sin_cache,
+    is_neox,
+    slot_mapping,
+    kv_cache,
+    k_out,
+    kv_cache_dtype,
+    kv_cache_scale,
+) -> Problem:
+    """Validate the arguments of ``mla_prefill_rope_cache_write``; return the call's sizes."""
+    p = _check_common(
+        positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_dtype, kv_cache_scale
+    )
+    _require_tensor("k_nope", k_nope)
+    _require_tensor("k_out", k_out)
+    if k_nope.dtype != q_pe.dtype:
+        raise TypeError(f"k_nope dtype {k_nope.dtype} must match q_pe dtype {q_pe.dtype}")
+    if k_out.dtype != q_pe.dtype and not fp8.is_fp8(k_out.dtype):
+        raise TypeError(
+            f"k_out must have q_pe's dtype {q_pe.dtype} or an fp8 dtype (float8_e4m3fn, float8_e4m3fnuz, "
+            f"float8_e5m2), got {k_out.dtype}"
+        )
+    _require_ndim("k_nope", k_nope, (3,), "3-D [num_tokens, num_heads, qk_nope_head_dim]")
+    _require_ndim("k_out", k_out, (3,), "3-D [num_tokens, num_heads, qk_nope_head_dim + rope_dim]")
+    T, H, L, R = p.num_tokens, p.num_heads, p.kv_lora_rank, p.rope_dim
+    P = k_nope.shape[-1]
+    if tuple(k_nope.shape[:2]) != (T, H):
+        raise ValueError(f"k_nope must have shape [T, H, P] with T={T}, H={H}, got {tuple(k_nope.shape)}")
+    if P < 1:
+        raise ValueError(f"k_nope must have a positive last dimension (qk_nope_head_dim), got {tuple(k_nope.shape)}")
+    if tuple(k_out.shape) != (T, H, P + R):
+        raise ValueError(f"k_out must have shape [T, H, P + R] = {[T, H, P + R]}, got {tuple(k_out.shape)}")
+    for name, t in (("k_nope", k_nope), ("k_out", k_out)):
+        if t.device != q_pe.device:
+            raise ValueError(f"{name} is on {t.device} but q_pe is on {q_pe.device}; all tensors must share a device")
+    _debug_check_indices(p, positions, slot_mapping, cos_sin_cache, kv_cache)
+    return Problem(T, H, L, R, p.cache_dtype, nope_dim=P, k_out_dtype=k_out.dtype)
 
 
 def debug_enabled() -> bool:

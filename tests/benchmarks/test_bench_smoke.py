@@ -98,9 +98,31 @@ def test_mixed_and_decode_layer(report):
     assert all(r["status"] == "ok" and r["op"] == "decode" for r in layer)
 
 
+def test_epilogue_entries(report):
+    """Op 3 and its baselines on every epilogue config, each checked against the torch reference."""
+    cfg = report["config"]
+    n_bf16 = len(cfg["heads"]) * len(cfg["tokens"])
+    for impl, launches in (("triton", 1), ("unfused", 3), ("op1_cat", 2), ("triton_dense", 1), ("torch_ref", None)):
+        rows = _rows(report, section="epilogue", impl=impl)
+        assert len([r for r in rows if r["key"] == "bf16"]) == n_bf16, (impl, rows)
+        assert any(r["key"] == "fp8" for r in rows), impl
+        for r in rows:
+            if impl in ("triton", "op1_cat", "triton_dense") and not HAS_TRITON_BACKEND:
+                continue
+            assert r["status"] == "ok" and r["check"]["ok"], r
+            assert "k_out" in r["check"]["fields"], r["check"]
+            assert r["launches"] == launches, r
+    for peer in ("vllm_fused", "vllm_k3"):
+        for r in _rows(report, section="epilogue", impl=peer):
+            assert r["status"] in ("missing", "n/a") and r["reason"]
+    assert "PREFILL EPILOGUE" in report["_stdout"]
+
+
 def test_targets(report):
     ids = {t["id"] for t in report["targets"]}
-    assert ids == {"bandwidth", "launch", "vs_aiter_triton", "vs_vllm_fused", "vs_flashinfer", "decode_vs_unfused"}
+    assert ids == {"bandwidth", "launch", "vs_aiter_triton", "vs_vllm_fused", "vs_flashinfer", "decode_vs_unfused",
+                   "epilogue_bandwidth", "epilogue_vs_k3_issue", "epilogue_vs_k3_same_run", "op1_large_T",
+                   "decode_H128_T16", "decode_H128_T256"}  # fmt: skip
     for t in report["targets"]:
         assert t["status"].startswith(("met", "NOT MET", "not measured")), t
         if t["status"].startswith(("met", "NOT MET")):

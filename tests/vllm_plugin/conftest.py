@@ -15,6 +15,8 @@ os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 # The model directory is local; without this, config loading probes the Hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from demo import cpu_stand_ins  # noqa: E402
+
 from . import harness  # noqa: E402 - after the platform choice
 
 PLUGIN_ENV = ("VLLM_MLA_FUSION", "VLLM_MLA_FUSION_DECODE", "VLLM_PLUGINS")
@@ -30,7 +32,8 @@ def _clean_plugin_env(monkeypatch):
 def vllm_cpu(tmp_path_factory) -> harness.VllmCpu:
     """The session's VllmConfig (tiny DeepSeek-V3 config) and gloo process group."""
     pytest.importorskip("vllm")
-    harness.install_cpu_decode_stand_in()
+    cpu_stand_ins.install(["mla_decode_kvcache"])
+    cpu_stand_ins.DECODE_QUERIES = []  # test_layer.py compares the queries the decode kernel received
     return harness.VllmCpu(harness.write_model_dir(str(tmp_path_factory.mktemp("dsv3_tiny"))))
 
 

@@ -9,133 +9,33 @@ metadata from the CPU_MLA backend's own builder fed a
 each step run under ``set_forward_context`` with the layer's slot mapping.
 
 The CUDA wheel of vLLM has no compiled CPU kernels; CPU_MLA's decode calls
-``torch.ops._C.mla_decode_kvcache``, so :func:`install_cpu_stand_ins`
-registers a plain-torch kernel under that name (and, for the whole-model
-test, the three other ``_C`` ops vLLM's CPU engine calls on this path). The
-decode stand-in also records the query it is given: the decode query the
-attention backend consumed.
+``torch.ops._C.mla_decode_kvcache``, for which conftest.py registers the
+plain-torch stand-in of demo/cpu_stand_ins.py (shared with the demo), which
+also records the queries it is given: the decode query the attention backend
+consumed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import os
 from dataclasses import dataclass, field
 
 import torch
 
-# Per-head dims of DeepSeek-V3; hidden size and head count reduced.
-DSV3_CONFIG = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "model_type": "deepseek_v3",
-    "hidden_size": 256,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "q_lora_rank": 1536,
-    "kv_lora_rank": 512,
-    "qk_rope_head_dim": 64,
-    "qk_nope_head_dim": 128,
-    "v_head_dim": 128,
-    "num_hidden_layers": 2,
-    "intermediate_size": 256,
-    "moe_intermediate_size": 64,
-    "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-    "n_shared_experts": 1,
-    "first_k_dense_replace": 2,
-    "vocab_size": 512,
-    "max_position_embeddings": 4096,
-    "rope_theta": 10000,
-    "rms_norm_eps": 1e-6,
-    "torch_dtype": "bfloat16",
-    "tie_word_embeddings": False,
-    # DeepSeek-V3's own rope scaling, shrunk: yarn -> DeepseekScalingRotaryEmbedding,
-    # GPT-J (interleaved) rotation.
-    "rope_scaling": {
-        "type": "yarn",
-        "factor": 32,
-        "original_max_position_embeddings": 128,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-    },
-}
+from demo import tiny_model
+
+# Per-head dims of DeepSeek-V3; hidden size and head count reduced (demo/tiny_model.py).
+DSV3_CONFIG = tiny_model.CONFIG
 BLOCK_SIZE = 16  # the only block size CPU_MLA supports
 NUM_BLOCKS = 32
 DTYPE = torch.bfloat16
 
-# Every query the decode stand-in received, in call order (tests clear it).
-DECODE_QUERIES: list[torch.Tensor] = []
-
 
 def write_model_dir(path: str, **overrides) -> str:
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({**DSV3_CONFIG, **overrides}, f)
-    return path
-
-
-def _decode_stand_in(out, query, kv_cache, scale, block_tables, seq_lens) -> None:
-    """Plain-torch ``mla_decode_kvcache``: per request, softmax(q K^T * scale) V over its cache rows."""
-    DECODE_QUERIES.append(query.clone())
-    kv_lora_rank = out.shape[-1]
-    block_size = kv_cache.shape[1]
-    for b in range(query.shape[0]):  # requests, not tokens: fine in a test kernel
-        n = int(seq_lens[b])
-        blocks = block_tables[b, : (n + block_size - 1) // block_size].long()
-        kv = kv_cache[blocks].reshape(-1, kv_cache.shape[-1])[:n].float()
-        probs = ((query[b].float() @ kv.T) * scale).softmax(-1)
-        out[b] = (probs @ kv[:, :kv_lora_rank]).to(out.dtype)
-
-
-def _slot_mapping_stand_in(query_start_loc, positions, block_table, slot_mapping, block_size) -> None:
-    """Plain-torch ``compute_slot_mapping_kernel_impl`` (the model runner's slot computation on CPU)."""
-    qsl = query_start_loc.long()
-    num_tokens = int(qsl[-1])
-    request = torch.repeat_interleave(torch.arange(qsl.numel() - 1), qsl[1:] - qsl[:-1])
-    pos = positions[:num_tokens].long()
-    slot_mapping.fill_(-1)
-    slot_mapping[:num_tokens] = block_table[request, pos // block_size].long() * block_size + pos % block_size
-
-
-# name -> (schema, implementation, dispatch key). Only what the CUDA wheel lacks
-# on this path: the MLA decode kernel for the layer tests, plus what vLLM's CPU
-# worker, model runner and greedy sampler call for the whole-model test.
-_STAND_INS = {
-    "mla_decode_kvcache": (
-        "(Tensor(a!) out, Tensor query, Tensor kv_cache, float scale, Tensor block_tables, Tensor seq_lens) -> ()",
-        _decode_stand_in,
-        "CPU",
-    ),
-    "init_cpu_memory_env": ("(int[] nodes) -> ()", lambda nodes: None, "CompositeExplicitAutograd"),
-    "compute_slot_mapping_kernel_impl": (
-        "(Tensor query_start_loc, Tensor positions, Tensor block_table, Tensor(a!) slot_mapping, int block_size) -> ()",
-        _slot_mapping_stand_in,
-        "CPU",
-    ),
-    "greedy_argmax": ("(Tensor logits) -> Tensor", lambda logits: logits.argmax(dim=-1).view(-1), "CPU"),
-}
-_STAND_IN_LIB = None
-
-
-def install_cpu_stand_ins(names=("mla_decode_kvcache",)) -> None:
-    """Register plain-torch stand-ins under ``torch.ops._C.<name>`` for those that are missing."""
-    global _STAND_IN_LIB
-    for name in names:
-        if hasattr(torch.ops._C, name):
-            continue
-        if _STAND_IN_LIB is None:
-            _STAND_IN_LIB = torch.library.Library("_C", "FRAGMENT")
-        schema, impl, key = _STAND_INS[name]
-        _STAND_IN_LIB.define(name + schema)
-        _STAND_IN_LIB.impl(name, impl, key)
-
-
-def install_cpu_decode_stand_in() -> None:
-    install_cpu_stand_ins(("mla_decode_kvcache",))
+    """config.json only: the layer tests draw their own weights."""
+    return str(tiny_model.write(path, weights=False, **overrides))
 
 
 class VllmCpu:

@@ -236,3 +236,24 @@ def test_every_rank_logs_its_backend_and_mode(vllm_cpu, plugin_on, as_rank_3, ca
     lines = [r.getMessage() for r in caplog.records if "use the fused RoPE" in r.getMessage()]
     assert lines == ["vllm-mla-fusion (rank 3 (local rank 3)): MLA layers use the fused RoPE + KV-cache write "
                      "(backend torch, mode decode)"], lines  # fmt: skip
+def test_decode_pair_backends_are_recognised_by_name_and_subclass():
+    """FLASH_ATTN_MLA and CUTLASS_MLA (and subclasses, e.g. XPU's) take (ql_nope, q_pe) as it is: op 1
+    for the decode rows; every other backend, and any fp8 query, gets op 2's assembled query."""
+    from vllm_mla_fusion.vllm_plugin import eligibility
+
+    def impl(module, name, base=object):
+        return type(name, (base,), {"__module__": module, "__qualname__": name})
+
+    fa = impl("vllm.v1.attention.backends.mla.flashattn_mla", "FlashAttnMLAImpl")
+    xpu = impl("vllm.v1.attention.backends.mla.flashattn_mla", "XPUFlashAttnMLAImpl", fa)
+    cutlass = impl("vllm.v1.attention.backends.mla.cutlass_mla", "CutlassMLAImpl")
+    flashmla = impl("vllm.v1.attention.backends.mla.flashmla", "FlashMLAImpl")
+    for cls in (fa, xpu, cutlass):
+        assert "without concatenating" in eligibility.decode_pair_reason(cls(), fp8_query=False)
+        assert eligibility.decode_pair_reason(cls(), fp8_query=True) is None
+    assert eligibility.decode_pair_reason(flashmla(), fp8_query=False) is None
+    # The names are vLLM 0.33's: the modules exist where the table says.
+    import importlib.util
+
+    for module, _ in eligibility._DECODE_PAIR_BACKENDS:
+        assert importlib.util.find_spec(module) is not None, module

@@ -21,6 +21,7 @@ import copy
 import pytest
 import torch
 
+from demo import cpu_stand_ins
 from vllm_mla_fusion import dispatch
 
 from . import harness as H
@@ -92,10 +93,16 @@ class Counter:
         return n
 
 
-# (fused mode, q_lora_rank): DeepSeek-V3 (q_lora_rank 1536) in both modes, and the
-# DeepSeek-V2-Lite layout without a q LoRA (q_proj instead of q_a/q_b projections).
-LAYOUTS = [("decode", 1536), ("rope_cache", 1536), ("decode", None)]
-LAYOUT_IDS = ["decode", "rope_cache", "decode-no-q-lora"]
+# (fused mode, q_lora_rank, prefill key fused, backend takes the decode pair as it is):
+# DeepSeek-V3 (q_lora_rank 1536) in both modes, the DeepSeek-V2-Lite layout without a q
+# LoRA (q_proj instead of q_a/q_b projections), decode mode with vLLM building the prefill
+# key (op 1 + its concat), and decode mode as on FLASH_ATTN_MLA / CUTLASS_MLA, whose
+# forward_mqa takes (ql_nope, q_pe) unconcatenated (CPU_MLA stands in: it concatenates
+# a pair itself).
+LAYOUTS = [("decode", 1536, True, False), ("rope_cache", 1536, False, False), ("decode", None, True, False),
+           ("decode", 1536, False, False), ("decode", 1536, True, True), ("decode", 1536, False, True)]  # fmt: skip
+LAYOUT_IDS = ["decode", "rope_cache", "decode-no-q-lora", "decode-prefill-key-off", "decode-pair-backend",
+              "decode-pair-backend-prefill-key-off"]  # fmt: skip
 
 
 @pytest.fixture
@@ -103,7 +110,7 @@ def layer_pair(vllm_cpu, plugin_off, monkeypatch, request):
     """(vLLM's layer, the plugin's layer) with the same random weights and canary-filled caches."""
     from vllm_mla_fusion.vllm_plugin import register
 
-    mode, q_lora_rank, *backend = request.param
+    mode, q_lora_rank, prefill_key, pair_backend, *backend = request.param
     if backend:  # read when the layer is built (eligibility.load_backend) and at every call (dispatch)
         monkeypatch.setenv("VLLM_MLA_FUSION_BACKEND", backend[0])
     hf_config = copy.copy(vllm_cpu.model_config.hf_config)
@@ -112,11 +119,22 @@ def layer_pair(vllm_cpu, plugin_off, monkeypatch, request):
     state = vllm_cpu.finish_weights(off, seed=0)
     if mode == "rope_cache":
         monkeypatch.setenv("VLLM_MLA_FUSION_DECODE", "0")
+    elif not prefill_key:
+        monkeypatch.setenv("VLLM_MLA_FUSION_PREFILL_KEY", "0")
+    if pair_backend:
+        from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+        from vllm_mla_fusion.vllm_plugin import eligibility
+
+        monkeypatch.setattr(eligibility, "_DECODE_PAIR_BACKENDS", {(CPUMLAImpl.__module__, CPUMLAImpl.__qualname__)})
     register()
     on = vllm_cpu.build_attention(hf_config)
     vllm_cpu.finish_weights(on, state)
     assert type(off.mla_attn).__name__ == "MultiHeadLatentAttentionWrapper"
     assert on.mla_attn.fusion_mode == mode
+    assert getattr(on.mla_attn.mla_attn, "_prefill_key_fused", False) == prefill_key
+    if mode == "decode":
+        assert on.mla_attn.mla_attn._decode_assembles_query == (not pair_backend)
     assert (on.mla_attn.q_proj is None) == (q_lora_rank is not None)
     for attn in (off, on):
         H.mla_layer(attn)[1].bind_kv_cache(H.new_kv_cache(seed=7))
@@ -130,18 +148,23 @@ def test_schedule_matches_vllm(vllm_cpu, layer_pair, monkeypatch):
     _run_schedule(vllm_cpu, layer_pair, monkeypatch, reference)
 
 
-# The same schedule once with the Triton kernel (in the interpreter on a CPU): the plugin's calls
-# reach the kernel with vLLM's real strides, slot mappings and padding (decode mode runs both
-# ops, rope_cache mode op 1 over the padded batch). About 4 s each.
-@pytest.mark.parametrize("layer_pair", [("decode", 1536, "triton"), ("rope_cache", 1536, "triton")],
-                         ids=["decode-triton", "rope_cache-triton"], indirect=True)  # fmt: skip
+# The same schedule with the Triton kernel (in its interpreter on a CPU): the plugin's calls reach
+# the kernel with vLLM's real strides, slot mappings and padding. Decode mode with the prefill key
+# runs ops 2 and 3, without it ops 1 and 2; rope_cache mode op 1 over the padded batch. ~4 s each.
+TRITON_LAYOUTS = [("decode", 1536, True, False, "triton"), ("decode", 1536, False, False, "triton"),
+                  ("rope_cache", 1536, False, False, "triton")]  # fmt: skip
+
+
+@pytest.mark.parametrize("layer_pair", TRITON_LAYOUTS, ids=["decode", "decode-prefill-key-off", "rope_cache"],
+                         indirect=True)  # fmt: skip
 def test_schedule_matches_vllm_with_the_triton_kernel(vllm_cpu, layer_pair, monkeypatch):
     if not dispatch.triton_interpreting() and not torch.cuda.is_available():
         raise AssertionError("tests/conftest.py runs Triton in its interpreter on a CPU; TRITON_INTERPRET is off")
     from vllm_mla_fusion.backends import reference
     from vllm_mla_fusion.backends import triton as triton_backend
 
-    untouched = [Counter(monkeypatch, reference, name) for name in ("rope_cache_write", "decode_rope_cache_write")]
+    names = ("rope_cache_write", "decode_rope_cache_write", "prefill_rope_cache_write")
+    untouched = [Counter(monkeypatch, reference, name) for name in names]
     _run_schedule(vllm_cpu, layer_pair, monkeypatch, triton_backend)
     assert take_all(untouched) == 0, "the torch backend ran instead of the Triton kernel"
 
@@ -149,6 +172,9 @@ def test_schedule_matches_vllm_with_the_triton_kernel(vllm_cpu, layer_pair, monk
 def _run_schedule(vllm_cpu, layer_pair, monkeypatch, backend_module):
     off, on = layer_pair
     mode = on.mla_attn.fusion_mode
+    prefill_key = getattr(on.mla_attn.mla_attn, "_prefill_key_fused", False)
+    assembles = getattr(on.mla_attn.mla_attn, "_decode_assembles_query", False)
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonBaseImpl
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
 
     # vLLM caches rope modules by parameters, so both layers may share one.
@@ -157,6 +183,9 @@ def _run_schedule(vllm_cpu, layer_pair, monkeypatch, backend_module):
     vllm_cache_writes = Counter(monkeypatch, CPUMLAImpl, "do_kv_cache_update")
     fused_rope_cache = Counter(monkeypatch, backend_module, "rope_cache_write")
     fused_decode = Counter(monkeypatch, backend_module, "decode_rope_cache_write")
+    fused_prefill = Counter(monkeypatch, backend_module, "prefill_rope_cache_write")
+    # vLLM's key concat: the step's own prefill tokens, plus one per chunk of cached context.
+    vllm_key_concat = Counter(monkeypatch, MLACommonBaseImpl, "_concat_k_nope_k_pe")
 
     caches = {name: H.mla_layer(a)[1].kv_cache for name, a in (("off", off), ("on", on))}
     builder = vllm_cpu.builder([H.mla_layer(a)[1].layer_name for a in (off, on)])
@@ -171,23 +200,32 @@ def _run_schedule(vllm_cpu, layer_pair, monkeypatch, backend_module):
         num_decode, T = metadata.num_decode_tokens, step.num_tokens
         hidden = torch.randn((step.positions.numel(), HIDDEN), generator=g).to(H.DTYPE)
 
-        H.DECODE_QUERIES.clear()
+        cpu_stand_ins.DECODE_QUERIES.clear()
         want = H.run_step(vllm_cpu, off, metadata, step, hidden)
-        queries_off = list(H.DECODE_QUERIES)
+        queries_off = list(cpu_stand_ins.DECODE_QUERIES)
         assert (take_all(rope_counters), vllm_cache_writes.take()) == (1, 1), step.name
-        assert (fused_rope_cache.take(), fused_decode.take()) == (0, 0), step.name
+        assert (fused_rope_cache.take(), fused_decode.take(), fused_prefill.take()) == (0, 0, 0), step.name
+        concats_off = vllm_key_concat.take()
+        if step.name == "decode+chunked prefill":
+            assert concats_off >= 2, "the chunked prefill must read its context back from the cache"
 
-        H.DECODE_QUERIES.clear()
+        cpu_stand_ins.DECODE_QUERIES.clear()
         got = H.run_step(vllm_cpu, on, metadata, step, hidden)
-        queries_on = list(H.DECODE_QUERIES)
+        queries_on = list(cpu_stand_ins.DECODE_QUERIES)
         # Launches of the fused ops, and no separate RoPE or cache write.
         assert (take_all(rope_counters), vllm_cache_writes.take()) == (0, 0), step.name
         has_prefill, has_decode = T > num_decode, num_decode > 0
         if mode == "decode":
-            expected = (int(has_prefill), int(has_decode))
+            # (op 1, op 2, op 3): prefill rows through op 3, or op 1 when vLLM builds the key.
+            # Op 1 takes, in one launch, the prefill rows when vLLM builds the key and the
+            # decode rows when the backend takes the pair as it is.
+            op1_rows = (has_prefill and not prefill_key) or (has_decode and not assembles)
+            expected = (int(op1_rows), int(has_decode and assembles), int(has_prefill and prefill_key))
         else:
-            expected = (1, 0)
-        assert (fused_rope_cache.take(), fused_decode.take()) == expected, step.name
+            expected = (1, 0, 0)
+        assert (fused_rope_cache.take(), fused_decode.take(), fused_prefill.take()) == expected, step.name
+        # With op 3, vLLM no longer builds the step's own key; context chunks still use its concat.
+        assert vllm_key_concat.take() == concats_off - int(has_prefill and prefill_key), step.name
 
         assert_output_close(got[:T], want[:T], f"{step.name}: attention output")
         # The decode query the backend's decode kernel received.

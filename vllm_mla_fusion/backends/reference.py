@@ -71,3 +71,16 @@ def decode_rope_cache_write(p: Problem, positions, ql_nope, q_pe, k_pe, kv_c, co
     )
     parts = (ql_nope.float(), q_rot) if is_nope_first else (q_rot, ql_nope.float())
     q_out.copy_(fp8.round_for_store(torch.cat(parts, dim=-1), q_out.dtype, q_scale))
+
+
+def prefill_rope_cache_write(p: Problem, positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping,
+                             kv_cache, k_out, kv_cache_scale) -> None:  # fmt: skip
+    q_rot, k_rot = _rotate_and_write_cache(
+        p, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_scale
+    )
+    # The key's rope part comes from the float32 rotation, rounded once to k_out's type
+    # (not through k_pe's dtype first); fp8 keys saturate, with no scale.
+    key = torch.cat((k_nope.float(), k_rot[:, None, :].expand(-1, p.num_heads, -1)), dim=-1)
+    k_out.copy_(fp8.round_for_store(key, k_out.dtype, None))
+    q_pe.copy_(q_rot.to(q_pe.dtype))
+    k_pe.copy_(k_rot.to(k_pe.dtype).view(k_pe.shape))

@@ -1,14 +1,16 @@
-"""Triton implementation: both ops in one kernel launch each.
+"""Triton implementation: each op in one kernel launch.
 
-One kernel serves both ops. Its 1-D grid has two kinds of program:
+One kernel serves the three ops (the ``OP`` constexpr). Its 1-D grid has two
+kinds of program:
 
 - *cache programs* (the first ``n_cache_programs``), each taking ``BLOCK_T``
   tokens: load the position and slot, rotate ``k_pe`` (write it back in place
-  for op 1), and store ``[kv_c | rope(k_pe)]`` into the token's cache row
-  unless the slot is negative or past the cache;
-- *query programs*, each taking ``BLOCK_ROWS`` (token, head) rows: op 1
-  rotates ``q_pe`` in place; op 2 writes ``[ql_nope | rope(q_pe)]`` into
-  ``q_out``.
+  for ops 1 and 3), and store ``[kv_c | rope(k_pe)]`` into the token's cache
+  row unless the slot is padding or past the cache; op 3 also stores
+  ``rope(k_pe)`` into the rope part of every head's key row ``k_out[t, h]``;
+- *query programs*, each taking ``BLOCK_ROWS`` (token, head) rows: ops 1 and 3
+  rotate ``q_pe`` in place; op 2 writes ``[ql_nope | rope(q_pe)]`` into
+  ``q_out``; op 3 copies ``k_nope`` into the nope part of ``k_out``.
 
 Splitting the two lets a decode step (few tokens, many heads) spread over many
 programs, while every program keeps a tile of a few thousand elements so large
@@ -25,6 +27,7 @@ have no e4m3fnuz type, so there the kernel encodes the bits itself
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 
@@ -166,21 +169,29 @@ def _store_rotated(out_ptr, row_off, y1, y2, mask, IS_NEOX: tl.constexpr, R: tl.
         tl.store(out_ptr + row_off[:, None] + r[None, :] * stride_out, y, mask=mr)
 
 
-# The token count changes every step: specializing on it (==1, %16) would only add compilations.
-@triton.jit(do_not_specialize=["num_tokens", "n_cache_programs"])
+# Which op a launch computes (the kernel's OP constexpr).
+OP_ROPE_CACHE = tl.constexpr(1)  # op 1: q_pe, k_pe rotated in place, cache rows
+OP_DECODE = tl.constexpr(2)  # op 2: q_out = [ql_nope | rope(q_pe)], cache rows; q_pe, k_pe untouched
+OP_PREFILL = tl.constexpr(3)  # op 3: op 1 + the attention key k_out = [k_nope | rope(k_pe)]
+
+
+# The token count changes every step: specializing on it (==1, %16) would only add compilations;
+# num_slots too: a bound checked once per token, and scratch caches used to compile ahead must
+# not select another specialization than the real cache.
+@triton.jit(do_not_specialize=["num_tokens", "n_cache_programs", "num_slots"])
 def _mla_rope_cache_kernel(
     # pointers
     pos_ptr,  # [>=T] int32/int64
     slot_ptr,  # [>=T] int32/int64
     cos_sin_ptr,  # [max_pos, R], row = [cos | sin]
-    q_pe_ptr,  # [T, H, R]; op 1 rotates it in place
-    k_pe_ptr,  # [T, R]; op 1 rotates it in place
+    q_pe_ptr,  # [T, H, R]; ops 1 and 3 rotate it in place
+    k_pe_ptr,  # [T, R]; ops 1 and 3 rotate it in place
     kv_c_ptr,  # [T, L]
     cache_ptr,  # [num_blocks, block_size, L + R] (uint8 when fp8 bits are encoded here)
     cache_scale_ptr,  # [1] float32
-    ql_nope_ptr,  # [T, H, L] (op 2)
-    q_out_ptr,  # [T, H, L + R] (op 2)
-    q_scale_ptr,  # [1] float32 (op 2)
+    nope_ptr,  # op 2: ql_nope [T, H, L]; op 3: k_nope [T, H, P]
+    out_ptr,  # op 2: q_out [T, H, L + R]; op 3: k_out [T, H, P + R]
+    out_scale_ptr,  # [1] float32 (op 2's q_scale)
     # sizes
     num_tokens,
     max_pos,
@@ -193,22 +204,25 @@ def _mla_rope_cache_kernel(
     stride_k_t, stride_k_r,
     stride_c_t, stride_c_l,
     stride_kv_b, stride_kv_s, stride_kv_d,
-    stride_n_t, stride_n_h, stride_n_l,
+    stride_n_t, stride_n_h, stride_n_d,
     stride_o_t, stride_o_h, stride_o_d,
     # meta-parameters
     H: tl.constexpr,
     L: tl.constexpr,
     R: tl.constexpr,
+    NOPE: tl.constexpr,  # width of the nope input: L (op 2), P (op 3); unused by op 1
     IS_NEOX: tl.constexpr,
-    DECODE: tl.constexpr,  # False: op 1 (rotate q_pe, k_pe in place); True: op 2 (write q_out)
-    NOPE_FIRST: tl.constexpr,
+    OP: tl.constexpr,  # OP_ROPE_CACHE, OP_DECODE or OP_PREFILL
+    NOPE_FIRST: tl.constexpr,  # op 2: q_out = [nope | rope] (else [rope | nope])
     CACHE_MODE: tl.constexpr, CACHE_HAS_SCALE: tl.constexpr, CACHE_FP8_MAX: tl.constexpr,
     CACHE_BIAS: tl.constexpr, CACHE_MAN: tl.constexpr, CACHE_SIGNED_ZERO: tl.constexpr, CACHE_NAN: tl.constexpr,
-    Q_MODE: tl.constexpr, Q_HAS_SCALE: tl.constexpr, Q_FP8_MAX: tl.constexpr,
-    Q_BIAS: tl.constexpr, Q_MAN: tl.constexpr, Q_SIGNED_ZERO: tl.constexpr, Q_NAN: tl.constexpr,
+    OUT_MODE: tl.constexpr, OUT_HAS_SCALE: tl.constexpr, OUT_FP8_MAX: tl.constexpr,
+    OUT_BIAS: tl.constexpr, OUT_MAN: tl.constexpr, OUT_SIGNED_ZERO: tl.constexpr, OUT_NAN: tl.constexpr,
     BLOCK_T: tl.constexpr,  # tokens per cache program
     BLOCK_ROWS: tl.constexpr,  # (token, head) rows per query program
-    BLOCK_L: tl.constexpr,  # latent columns per step
+    BLOCK_L: tl.constexpr,  # latent columns per step (cache rows)
+    BLOCK_N: tl.constexpr,  # nope columns per step (query programs, ops 2 and 3)
+    BLOCK_H: tl.constexpr,  # heads per k_out store in a cache program (op 3)
     BLOCK_R2: tl.constexpr,  # next_power_of_2(R // 2)
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (sm_90+)
 ):  # fmt: skip
@@ -221,31 +235,40 @@ def _mla_rope_cache_kernel(
     # Each kind of program lives in its own function so that their locals (tiles of
     # different shapes) never meet in one scope.
     if pid < n_cache_programs:
-        _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr,
+        _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr, out_ptr,
                        num_tokens, max_pos, block_size, num_slots, stride_cs_p, stride_cs_r, stride_k_t, stride_k_r,
                        stride_c_t, stride_c_l, stride_kv_b, stride_kv_s, stride_kv_d,
-                       L, R, IS_NEOX, DECODE, CACHE_MODE, CACHE_HAS_SCALE, CACHE_FP8_MAX, CACHE_BIAS, CACHE_MAN,
-                       CACHE_SIGNED_ZERO, CACHE_NAN, BLOCK_T, BLOCK_L, BLOCK_R2)  # fmt: skip
+                       stride_o_t, stride_o_h, stride_o_d,
+                       H, L, R, NOPE, IS_NEOX, OP, CACHE_MODE, CACHE_HAS_SCALE, CACHE_FP8_MAX, CACHE_BIAS, CACHE_MAN,
+                       CACHE_SIGNED_ZERO, CACHE_NAN, OUT_MODE, OUT_FP8_MAX, OUT_BIAS, OUT_MAN, OUT_SIGNED_ZERO,
+                       OUT_NAN, BLOCK_T, BLOCK_L, BLOCK_H, BLOCK_R2)  # fmt: skip
     else:
-        _query_program(pid - n_cache_programs, pos_ptr, cos_sin_ptr, q_pe_ptr, ql_nope_ptr, q_out_ptr, q_scale_ptr,
+        _query_program(pid - n_cache_programs, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_scale_ptr,
                        num_tokens, max_pos, stride_cs_p, stride_cs_r, stride_q_t, stride_q_h, stride_q_r,
-                       stride_n_t, stride_n_h, stride_n_l, stride_o_t, stride_o_h, stride_o_d,
-                       H, L, R, IS_NEOX, DECODE, NOPE_FIRST, Q_MODE, Q_HAS_SCALE, Q_FP8_MAX, Q_BIAS, Q_MAN,
-                       Q_SIGNED_ZERO, Q_NAN, BLOCK_ROWS, BLOCK_L, BLOCK_R2)  # fmt: skip
+                       stride_n_t, stride_n_h, stride_n_d, stride_o_t, stride_o_h, stride_o_d,
+                       H, R, NOPE, IS_NEOX, OP, NOPE_FIRST, OUT_MODE, OUT_HAS_SCALE, OUT_FP8_MAX, OUT_BIAS, OUT_MAN,
+                       OUT_SIGNED_ZERO, OUT_NAN, BLOCK_ROWS, BLOCK_N, BLOCK_R2)  # fmt: skip
 
 
 @triton.jit
-def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr,
+def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr, out_ptr,
                    num_tokens, max_pos, block_size, num_slots, stride_cs_p, stride_cs_r, stride_k_t, stride_k_r,
                    stride_c_t, stride_c_l, stride_kv_b, stride_kv_s, stride_kv_d,
-                   L: tl.constexpr, R: tl.constexpr, IS_NEOX: tl.constexpr, DECODE: tl.constexpr,
-                   CACHE_MODE: tl.constexpr, CACHE_HAS_SCALE: tl.constexpr, CACHE_FP8_MAX: tl.constexpr,
-                   CACHE_BIAS: tl.constexpr, CACHE_MAN: tl.constexpr, CACHE_SIGNED_ZERO: tl.constexpr,
-                   CACHE_NAN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr,
-                   BLOCK_R2: tl.constexpr):  # fmt: skip
-    """BLOCK_T tokens: rotate k_pe (in place for op 1), write [kv_c | rope(k_pe)] at each slot in
-    [0, num_slots). A slot past the cache (a scheduler or connector bug, a stale mapping under
-    graph padding) costs its row, never a write into whatever memory follows the cache.
+                   stride_o_t, stride_o_h, stride_o_d,
+                   H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, NOPE: tl.constexpr, IS_NEOX: tl.constexpr,
+                   OP: tl.constexpr, CACHE_MODE: tl.constexpr, CACHE_HAS_SCALE: tl.constexpr,
+                   CACHE_FP8_MAX: tl.constexpr, CACHE_BIAS: tl.constexpr, CACHE_MAN: tl.constexpr,
+                   CACHE_SIGNED_ZERO: tl.constexpr, CACHE_NAN: tl.constexpr, OUT_MODE: tl.constexpr,
+                   OUT_FP8_MAX: tl.constexpr, OUT_BIAS: tl.constexpr, OUT_MAN: tl.constexpr,
+                   OUT_SIGNED_ZERO: tl.constexpr, OUT_NAN: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R2: tl.constexpr):  # fmt: skip
+    """BLOCK_T tokens: rotate k_pe (in place for ops 1 and 3), write [kv_c | rope(k_pe)] at each slot
+    in [0, num_slots); op 3 also writes rope(k_pe) into the key row of every head.
+
+    A slot past the cache (a scheduler or connector bug, a stale mapping under graph
+    padding) costs its row, never a write into whatever memory follows the cache.
+    This program is the only one that reads or writes k_pe, which is what makes the
+    in-place rotation safe while op 3's key rows need the un-rotated value.
 
     Every load that does not depend on the position is issued before any store: the
     compiler may not move a load above a store that could alias it, and on small batches
@@ -264,9 +287,25 @@ def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cach
     sin_ptr = cos_sin_ptr + (R // 2) * stride_cs_r
     k1, k2 = _rotate(k_pe_ptr, k_off, cos_sin_ptr, sin_ptr, pos * stride_cs_p, t_mask, IS_NEOX, R, BLOCK_R2,
                      stride_k_r, stride_cs_r, BLOCK_T)  # fmt: skip
-    if not DECODE:
+    if OP != OP_DECODE:
         _store_rotated(k_pe_ptr, k_off, k1.to(k_pe_ptr.dtype.element_ty), k2.to(k_pe_ptr.dtype.element_ty),
                        t_mask, IS_NEOX, R, BLOCK_R2, stride_k_r, BLOCK_T)  # fmt: skip
+    if OP == OP_PREFILL:
+        # The key's rope part is the same for every head: round it once, store it H times.
+        # k_out has no scale (vLLM casts the key without one).
+        y1 = _round_for_store(k1, 1.0, 1.0, out_ptr, OUT_MODE, False, OUT_FP8_MAX,
+                              OUT_BIAS, OUT_MAN, OUT_SIGNED_ZERO, OUT_NAN)  # fmt: skip
+        y2 = _round_for_store(k2, 1.0, 1.0, out_ptr, OUT_MODE, False, OUT_FP8_MAX,
+                              OUT_BIAS, OUT_MAN, OUT_SIGNED_ZERO, OUT_NAN)  # fmt: skip
+        ROWS: tl.constexpr = BLOCK_T * BLOCK_H
+        y1 = tl.reshape(tl.broadcast_to(y1[:, None, :], [BLOCK_T, BLOCK_H, BLOCK_R2]), [ROWS, BLOCK_R2])
+        y2 = tl.reshape(tl.broadcast_to(y2[:, None, :], [BLOCK_T, BLOCK_H, BLOCK_R2]), [ROWS, BLOCK_R2])
+        for h0 in tl.static_range(0, H, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            off = t[:, None] * stride_o_t + h[None, :].to(tl.int64) * stride_o_h + NOPE * stride_o_d
+            m = t_mask[:, None] & (h < H)[None, :]
+            _store_rotated(out_ptr, tl.reshape(off, [ROWS]), y1, y2, tl.reshape(m, [ROWS]), IS_NEOX, R, BLOCK_R2,
+                           stride_o_d, ROWS)  # fmt: skip
     write = t_mask & (slot >= 0) & (slot < num_slots)
     slot = tl.maximum(slot, 0)
     row = (slot // block_size) * stride_kv_b + (slot % block_size) * stride_kv_s
@@ -288,56 +327,60 @@ def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cach
 
 
 @triton.jit
-def _query_program(pid, pos_ptr, cos_sin_ptr, q_pe_ptr, ql_nope_ptr, q_out_ptr, q_scale_ptr,
+def _query_program(pid, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_scale_ptr,
                    num_tokens, max_pos, stride_cs_p, stride_cs_r, stride_q_t, stride_q_h, stride_q_r,
-                   stride_n_t, stride_n_h, stride_n_l, stride_o_t, stride_o_h, stride_o_d,
-                   H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, IS_NEOX: tl.constexpr,
-                   DECODE: tl.constexpr, NOPE_FIRST: tl.constexpr, Q_MODE: tl.constexpr,
-                   Q_HAS_SCALE: tl.constexpr, Q_FP8_MAX: tl.constexpr, Q_BIAS: tl.constexpr, Q_MAN: tl.constexpr,
-                   Q_SIGNED_ZERO: tl.constexpr, Q_NAN: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                   BLOCK_L: tl.constexpr, BLOCK_R2: tl.constexpr):  # fmt: skip
-    """BLOCK_ROWS (token, head) rows: op 1 rotates q_pe in place, op 2 writes [ql_nope | rope(q_pe)].
+                   stride_n_t, stride_n_h, stride_n_d, stride_o_t, stride_o_h, stride_o_d,
+                   H: tl.constexpr, R: tl.constexpr, NOPE: tl.constexpr, IS_NEOX: tl.constexpr,
+                   OP: tl.constexpr, NOPE_FIRST: tl.constexpr, OUT_MODE: tl.constexpr,
+                   OUT_HAS_SCALE: tl.constexpr, OUT_FP8_MAX: tl.constexpr, OUT_BIAS: tl.constexpr,
+                   OUT_MAN: tl.constexpr, OUT_SIGNED_ZERO: tl.constexpr, OUT_NAN: tl.constexpr,
+                   BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R2: tl.constexpr):  # fmt: skip
+    """BLOCK_ROWS (token, head) rows of q_pe, rotated: in place (ops 1 and 3) or into q_out (op 2);
+    ops 2 and 3 also copy the row's nope input into the output row: op 2
+    q_out = [ql_nope | rope(q_pe)], op 3 the k_nope part of k_out (whose rope part the
+    cache programs write).
 
-    As in _cache_program, the position-independent loads (ql_nope) go out first."""
+    As in _cache_program, the position-independent loads (the nope input) go out first."""
     rows = pid.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     t = rows // H
     h = rows % H
     r_mask = t < num_tokens
     pos = tl.load(pos_ptr + t, mask=r_mask, other=0).to(tl.int64)
-    if DECODE:
+    if OP != OP_ROPE_CACHE:
         n_off = t * stride_n_t + h * stride_n_h
-        col = tl.arange(0, BLOCK_L)
-        n_mask = r_mask[:, None] & (col < L)[None, :]
-        nope = tl.load(ql_nope_ptr + n_off[:, None] + col[None, :] * stride_n_l, mask=n_mask, other=0.0)
-        scale, inv_scale = _load_scale(q_scale_ptr, Q_HAS_SCALE)
+        col = tl.arange(0, BLOCK_N)
+        n_mask = r_mask[:, None] & (col < NOPE)[None, :]
+        nope = tl.load(nope_ptr + n_off[:, None] + col[None, :] * stride_n_d, mask=n_mask, other=0.0)
+        scale, inv_scale = _load_scale(out_scale_ptr, OUT_HAS_SCALE)
+        out = t * stride_o_t + h * stride_o_h
     pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
     q_off = t * stride_q_t + h * stride_q_h
     sin_ptr = cos_sin_ptr + (R // 2) * stride_cs_r
     q1, q2 = _rotate(q_pe_ptr, q_off, cos_sin_ptr, sin_ptr, pos * stride_cs_p, r_mask, IS_NEOX, R, BLOCK_R2,
                      stride_q_r, stride_cs_r, BLOCK_ROWS)  # fmt: skip
-    if not DECODE:
+    if OP != OP_DECODE:
         _store_rotated(q_pe_ptr, q_off, q1.to(q_pe_ptr.dtype.element_ty), q2.to(q_pe_ptr.dtype.element_ty),
                        r_mask, IS_NEOX, R, BLOCK_R2, stride_q_r, BLOCK_ROWS)  # fmt: skip
     else:
-        out = t * stride_o_t + h * stride_o_h
-        rope_col = L if NOPE_FIRST else 0
-        nope_col = 0 if NOPE_FIRST else R
-        q1 = _round_for_store(q1, scale, inv_scale, q_out_ptr, Q_MODE, Q_HAS_SCALE, Q_FP8_MAX,
-                              Q_BIAS, Q_MAN, Q_SIGNED_ZERO, Q_NAN)  # fmt: skip
-        q2 = _round_for_store(q2, scale, inv_scale, q_out_ptr, Q_MODE, Q_HAS_SCALE, Q_FP8_MAX,
-                              Q_BIAS, Q_MAN, Q_SIGNED_ZERO, Q_NAN)  # fmt: skip
-        _store_rotated(q_out_ptr, out + rope_col * stride_o_d, q1, q2, r_mask, IS_NEOX, R, BLOCK_R2,
+        rope_col = NOPE if NOPE_FIRST else 0
+        q1 = _round_for_store(q1, scale, inv_scale, out_ptr, OUT_MODE, OUT_HAS_SCALE, OUT_FP8_MAX,
+                              OUT_BIAS, OUT_MAN, OUT_SIGNED_ZERO, OUT_NAN)  # fmt: skip
+        q2 = _round_for_store(q2, scale, inv_scale, out_ptr, OUT_MODE, OUT_HAS_SCALE, OUT_FP8_MAX,
+                              OUT_BIAS, OUT_MAN, OUT_SIGNED_ZERO, OUT_NAN)  # fmt: skip
+        _store_rotated(out_ptr, out + rope_col * stride_o_d, q1, q2, r_mask, IS_NEOX, R, BLOCK_R2,
                        stride_o_d, BLOCK_ROWS)  # fmt: skip
-        nope = _round_for_store(nope.to(tl.float32), scale, inv_scale, q_out_ptr, Q_MODE, Q_HAS_SCALE, Q_FP8_MAX,
-                                Q_BIAS, Q_MAN, Q_SIGNED_ZERO, Q_NAN)  # fmt: skip
-        tl.store(q_out_ptr + out[:, None] + (nope_col + col[None, :]) * stride_o_d, nope, mask=n_mask)
-        for l0 in tl.static_range(BLOCK_L, L, BLOCK_L):  # latent widths past BLOCK_L (> 512)
-            col = l0 + tl.arange(0, BLOCK_L)
-            m = r_mask[:, None] & (col < L)[None, :]
-            x = tl.load(ql_nope_ptr + n_off[:, None] + col[None, :] * stride_n_l, mask=m, other=0.0)
-            x = _round_for_store(x.to(tl.float32), scale, inv_scale, q_out_ptr, Q_MODE, Q_HAS_SCALE, Q_FP8_MAX,
-                                 Q_BIAS, Q_MAN, Q_SIGNED_ZERO, Q_NAN)  # fmt: skip
-            tl.store(q_out_ptr + out[:, None] + (nope_col + col[None, :]) * stride_o_d, x, mask=m)
+    if OP != OP_ROPE_CACHE:
+        nope_col = R if (OP == OP_DECODE and not NOPE_FIRST) else 0
+        nope = _round_for_store(nope.to(tl.float32), scale, inv_scale, out_ptr, OUT_MODE, OUT_HAS_SCALE,
+                                OUT_FP8_MAX, OUT_BIAS, OUT_MAN, OUT_SIGNED_ZERO, OUT_NAN)  # fmt: skip
+        tl.store(out_ptr + out[:, None] + (nope_col + col[None, :]) * stride_o_d, nope, mask=n_mask)
+        for n0 in tl.static_range(BLOCK_N, NOPE, BLOCK_N):  # nope widths past BLOCK_N (> 512)
+            col = n0 + tl.arange(0, BLOCK_N)
+            m = r_mask[:, None] & (col < NOPE)[None, :]
+            x = tl.load(nope_ptr + n_off[:, None] + col[None, :] * stride_n_d, mask=m, other=0.0)
+            x = _round_for_store(x.to(tl.float32), scale, inv_scale, out_ptr, OUT_MODE, OUT_HAS_SCALE,
+                                 OUT_FP8_MAX, OUT_BIAS, OUT_MAN, OUT_SIGNED_ZERO, OUT_NAN)  # fmt: skip
+            tl.store(out_ptr + out[:, None] + (nope_col + col[None, :]) * stride_o_d, x, mask=m)
 
 
 # ---------------------------------------------------------------------------
@@ -392,39 +435,79 @@ def _pdl_ok(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-# Set by benchmarks/tune_launch.py to time other launch configurations; None in normal use.
+# Set by benchmarks/tune_launch.py to time other launch configurations, and by
+# forced_launch_config while kernels are compiled ahead of use; None in normal use.
 LAUNCH_CONFIG_OVERRIDE: dict | None = None
 
 
-def _launch_config(p: Problem, decode: bool, device: torch.device) -> dict:
+def launch_configs(p: Problem, op: int, device: torch.device, max_tokens: int) -> list[dict]:
+    """The distinct launch configurations (each a compiled kernel) ``op`` uses for 1 to
+    ``max_tokens`` tokens of ``p``'s other sizes."""
+    configs: list[dict] = []
+    for T in range(1, max_tokens + 1):
+        cfg = _launch_config(dataclasses.replace(p, num_tokens=T), op, device)
+        if cfg not in configs:
+            configs.append(cfg)
+    return configs
+
+
+@contextlib.contextmanager
+def forced_launch_config(cfg: dict):
+    """Launch with ``cfg`` whatever the token count (to compile its kernel on a small call)."""
+    global LAUNCH_CONFIG_OVERRIDE
+    previous, LAUNCH_CONFIG_OVERRIDE = LAUNCH_CONFIG_OVERRIDE, dict(cfg)
+    try:
+        yield
+    finally:
+        LAUNCH_CONFIG_OVERRIDE = previous
+
+
+def _launch_config(p: Problem, op: int, device: torch.device) -> dict:
     """Block sizes and warps by shape class.
 
-    A query row is R elements (op 1) or L + R (op 2); a cache token is L + R.
-    Programs aim at ~4K elements (8 KB of bf16) of traffic each so that large
-    batches run at full bandwidth; small batches shrink the tiles so that the
-    work spreads over more SMs instead of queueing on a few.
+    Traffic per query row: R elements in and out (op 1), L + R (op 2), P + R (op 3);
+    per cache token L + R, plus op 3's H copies of the key's rope part. Programs aim at
+    ~4K elements (8 KB of bf16) of traffic each so that large batches run at full
+    bandwidth; small batches shrink the tiles so that the work spreads over more SMs
+    instead of queueing on a few.
     """
     if LAUNCH_CONFIG_OVERRIDE is not None:
         return dict(LAUNCH_CONFIG_OVERRIDE)
-    BLOCK_L = min(triton.next_power_of_2(p.kv_lora_rank), 512)
-    row_elems = p.kv_lora_rank + p.rope_dim if decode else p.rope_dim
-    rows = p.num_tokens * p.num_heads
+    H, L, R = p.num_heads, p.kv_lora_rank, p.rope_dim
+    BLOCK_L = min(triton.next_power_of_2(L), 512)
+    nope = {OP_ROPE_CACHE.value: 0, OP_DECODE.value: L, OP_PREFILL.value: p.nope_dim or 0}[op]
+    BLOCK_N = min(triton.next_power_of_2(max(nope, 1)), 512)
+    row_elems = nope + R
+    rows = p.num_tokens * H
     sms = _num_sms(device)
     # Measured on an H200 (benchmarks/tune_launch.py, docs/performance.md): ~4K-element
     # tiles, except op 1 with few heads, where 2K-element tiles (32 rows of 64) won by ~12%.
-    target = 4096 if decode or p.num_heads * p.rope_dim >= 4096 else 2048
+    # Op 3 moves two row widths per row (q_pe and the key): 4K-element tiles cost 168
+    # registers a thread (3 programs per SM); 2K-element ones 96.
+    if op == OP_PREFILL.value:
+        target = 2048
+    else:
+        target = 4096 if op != OP_ROPE_CACHE.value or H * R >= 4096 else 2048
     block_rows = max(1, min(triton.next_power_of_2(max(1, target // row_elems)), 256))
     # Shrink while the grid would leave most SMs idle.
     while block_rows > 1 and triton.cdiv(rows, block_rows) < sms:
         block_rows //= 2
-    block_t = max(1, min(triton.next_power_of_2(max(1, 4096 // (p.kv_lora_rank + p.rope_dim))), 64))
+    token_elems = L + R + (H * R if op == OP_PREFILL.value else 0)
+    block_t = max(1, min(triton.next_power_of_2(max(1, 4096 // token_elems)), 64))
     while block_t > 1 and triton.cdiv(p.num_tokens, block_t) < sms // 2:
         block_t //= 2
-    return dict(BLOCK_T=block_t, BLOCK_ROWS=block_rows, BLOCK_L=BLOCK_L, num_warps=4, USE_PDL=_pdl_ok(device))
+    # Op 3's cache programs store the key's rope part for every head in tiles of ~2K elements.
+    block_h = triton.next_power_of_2(H) if op == OP_PREFILL.value else 1
+    while block_h > 1 and block_t * block_h * R > 2048:
+        block_h //= 2
+    return dict(BLOCK_T=block_t, BLOCK_ROWS=block_rows, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, BLOCK_H=block_h,
+                num_warps=4, USE_PDL=_pdl_ok(device))  # fmt: skip
 
 
-def _launch(p: Problem, decode: bool, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping,
-            kv_cache, kv_cache_scale, ql_nope=None, q_out=None, q_scale=None, is_nope_first=True) -> None:  # fmt: skip
+def _launch(p: Problem, op: int, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache,
+            kv_cache_scale, nope=None, out=None, out_dtype=None, out_scale=None, is_nope_first=True) -> None:  # fmt: skip
+    """One launch of the kernel for op ``op``: ``nope``/``out`` are (ql_nope, q_out) for op 2,
+    (k_nope, k_out) for op 3, unused for op 1."""
     T, H, L, R = p.num_tokens, p.num_heads, p.kv_lora_rank, p.rope_dim
     k_pe2 = k_pe.select(1, 0) if k_pe.dim() == 3 else k_pe  # [T, 1, R] -> [T, R], a view
     kv_c2 = kv_c.select(1, 0) if kv_c.dim() == 3 else kv_c
@@ -432,15 +515,15 @@ def _launch(p: Problem, decode: bool, positions, q_pe, k_pe, kv_c, cos_sin_cache
     # stride costs a copy of the T entries used, never a wrong read.
     positions, slot_mapping = (x if x.stride(0) == 1 else x[:T].contiguous() for x in (positions, slot_mapping))
     cache, cmeta = _store_meta(kv_cache, p.cache_dtype, kv_cache_scale)
-    if decode:
-        qo, qmeta = _store_meta(q_out, q_out.dtype, q_scale)
-        n_strides = ql_nope.stride()
-        o_strides = qo.stride()
+    if out is not None:
+        out, ometa = _store_meta(out, out_dtype, out_scale)
+        n_strides, o_strides, nope_width = nope.stride(), out.stride(), nope.shape[-1]
     else:
-        qo, qmeta = q_pe, _store_meta(q_pe, q_pe.dtype, None)[1]
-        ql_nope = q_pe
+        # Op 1 has no nope input or output; any tensors of the right kind fill the slots.
+        out, nope, ometa = q_pe, q_pe, _store_meta(q_pe, q_pe.dtype, None)[1]
         n_strides = o_strides = (0, 0, 0)
-    cfg = _launch_config(p, decode, q_pe.device)
+        nope_width = 1
+    cfg = _launch_config(p, op, q_pe.device)
     n_cache = triton.cdiv(T, cfg["BLOCK_T"])
     n_query = triton.cdiv(T * H, cfg["BLOCK_ROWS"])
     # Scale pointers must be valid tensors even when unused; any float32 tensor does.
@@ -451,17 +534,18 @@ def _launch(p: Problem, decode: bool, positions, q_pe, k_pe, kv_c, cos_sin_cache
         _mla_rope_cache_kernel[(n_cache + n_query,)](
             positions, slot_mapping, cos_sin_cache, q_pe, k_pe2, kv_c2, cache,
             kv_cache_scale if kv_cache_scale is not None else dummy,
-            ql_nope, qo, q_scale if q_scale is not None else dummy,
+            nope, out, out_scale if out_scale is not None else dummy,
             T, cos_sin_cache.shape[0], kv_cache.shape[1], kv_cache.shape[0] * kv_cache.shape[1], n_cache,
             cos_sin_cache.stride(0), cos_sin_cache.stride(1),
             *q_pe.stride(), *k_pe2.stride(), *kv_c2.stride(), *kv_cache.stride(),
             *n_strides, *o_strides,
-            H=H, L=L, R=R, IS_NEOX=is_neox, DECODE=decode, NOPE_FIRST=is_nope_first,
+            H=H, L=L, R=R, NOPE=nope_width, IS_NEOX=is_neox, OP=op, NOPE_FIRST=is_nope_first,
             CACHE_MODE=cmeta["MODE"], CACHE_HAS_SCALE=cmeta["HAS_SCALE"], CACHE_FP8_MAX=cmeta["FP8_MAX"],
             CACHE_BIAS=cmeta["BIAS"], CACHE_MAN=cmeta["MAN"], CACHE_SIGNED_ZERO=cmeta["SIGNED_ZERO"],
             CACHE_NAN=cmeta["NAN"],
-            Q_MODE=qmeta["MODE"], Q_HAS_SCALE=qmeta["HAS_SCALE"], Q_FP8_MAX=qmeta["FP8_MAX"],
-            Q_BIAS=qmeta["BIAS"], Q_MAN=qmeta["MAN"], Q_SIGNED_ZERO=qmeta["SIGNED_ZERO"], Q_NAN=qmeta["NAN"],
+            OUT_MODE=ometa["MODE"], OUT_HAS_SCALE=ometa["HAS_SCALE"], OUT_FP8_MAX=ometa["FP8_MAX"],
+            OUT_BIAS=ometa["BIAS"], OUT_MAN=ometa["MAN"], OUT_SIGNED_ZERO=ometa["SIGNED_ZERO"],
+            OUT_NAN=ometa["NAN"],
             BLOCK_R2=triton.next_power_of_2(R // 2), **cfg,
             **({"launch_pdl": True} if cfg["USE_PDL"] else {}),
         )  # fmt: skip
@@ -470,10 +554,18 @@ def _launch(p: Problem, decode: bool, positions, q_pe, k_pe, kv_c, cos_sin_cache
 def rope_cache_write(
     p: Problem, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_scale
 ) -> None:
-    _launch(p, False, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_scale)
+    _launch(p, OP_ROPE_CACHE.value, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache,
+            kv_cache_scale)  # fmt: skip
 
 
 def decode_rope_cache_write(p: Problem, positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping,
                             kv_cache, q_out, kv_cache_scale, q_scale, is_nope_first) -> None:  # fmt: skip
-    _launch(p, True, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_scale,
-            ql_nope=ql_nope, q_out=q_out, q_scale=q_scale, is_nope_first=is_nope_first)  # fmt: skip
+    _launch(p, OP_DECODE.value, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache,
+            kv_cache_scale, nope=ql_nope, out=q_out, out_dtype=q_out.dtype, out_scale=q_scale,
+            is_nope_first=is_nope_first)  # fmt: skip
+
+
+def prefill_rope_cache_write(p: Problem, positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping,
+                             kv_cache, k_out, kv_cache_scale) -> None:  # fmt: skip
+    _launch(p, OP_PREFILL.value, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache,
+            kv_cache_scale, nope=k_nope, out=k_out, out_dtype=k_out.dtype)  # fmt: skip

@@ -12,8 +12,17 @@ Switches (environment, read when ``register`` runs):
 - ``VLLM_MLA_FUSION=0``: register nothing; vLLM runs unmodified.
 - ``VLLM_MLA_FUSION_DECODE=0``: keep the fused RoPE + cache write, but leave
   the decode query assembly to vLLM (one fused launch for the whole batch).
+- ``VLLM_MLA_FUSION_PREFILL_KEY=0``: prefill rows get the fused RoPE + cache
+  write, but vLLM builds their attention key (``_concat_k_nope_k_pe``).
+- ``VLLM_MLA_FUSION_PREWARM=0``: do not compile the Triton kernel's variants
+  during vLLM's profile run (they then compile on first use).
 - ``VLLM_MLA_FUSION_BACKEND=torch|triton|aiter``: which implementation runs
   the ops (dispatch.py); automatic by device when unset.
+
+:func:`register` also declares the package's ``VLLM_MLA_FUSION*`` variables
+to vLLM (:func:`declare_environment_variables`), so that vLLM does not warn
+about them as unknown ``VLLM_*`` variables and hashes them into its
+compilation cache key.
 
 Importing this module needs no vLLM; vLLM is imported inside :func:`register`.
 """
@@ -23,10 +32,35 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["register", "SUPPORTED_VLLM", "ENV_ENABLE", "ENV_DECODE"]
+__all__ = [
+    "register",
+    "SUPPORTED_VLLM",
+    "ENV_ENABLE",
+    "ENV_DECODE",
+    "ENV_PREFILL_KEY",
+    "ENV_PREWARM",
+    "ENVIRONMENT_VARIABLES",
+    "LOCATION_VARIABLES",
+]
 
 ENV_ENABLE = "VLLM_MLA_FUSION"
 ENV_DECODE = "VLLM_MLA_FUSION_DECODE"
+ENV_PREFILL_KEY = "VLLM_MLA_FUSION_PREFILL_KEY"
+ENV_PREWARM = "VLLM_MLA_FUSION_PREWARM"
+# Every variable that changes what the package does (docs/vllm.md, "Switches";
+# docs/rocm.md for the AITER one). A test checks the package reads no other.
+ENVIRONMENT_VARIABLES = (
+    ENV_ENABLE,
+    ENV_DECODE,
+    ENV_PREFILL_KEY,
+    ENV_PREWARM,
+    "VLLM_MLA_FUSION_BACKEND",
+    "VLLM_MLA_FUSION_DEBUG",
+    "VLLM_MLA_FUSION_PDL",
+    "VLLM_MLA_FUSION_AITER_FP8",
+)
+# Read only by the checkout's scripts and benchmark: where something lives, not what is computed.
+LOCATION_VARIABLES = ("VLLM_MLA_FUSION_ENV", "VLLM_MLA_FUSION_AITER_TRITON_PATH")
 # The vLLM minor series whose MLA internals this plugin was written against.
 SUPPORTED_VLLM = "0.33"
 
@@ -40,12 +74,55 @@ def env_enabled(name: str) -> bool:
     return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def _reader(name: str):
+    def read() -> str | None:
+        return os.environ.get(name)  # looked up at each call: vLLM and tests may change the environment
+
+    return read
+
+
+def _location_only() -> None:
+    return None
+
+
+def declare_environment_variables() -> None:
+    """Add the package's variables to ``vllm.envs.environment_variables``, vLLM's registry of known names.
+
+    vLLM checks every ``VLLM_*`` name in the environment against that
+    registry (``Platform.validate_environ``, run by
+    ``EngineArgs.create_engine_config`` in the process that builds the
+    engine config, after ``EngineArgs.__post_init__`` has loaded the general
+    plugins) and logs "Unknown vLLM environment variable detected" for the
+    others, or refuses to start under ``--fail-on-environ-validation``.
+
+    The registry also feeds ``vllm.envs.compile_factors()``, which hashes the
+    value of every registered name into the torch.compile cache key (the
+    Inductor cache and the AOT-compile cache, whose key has no other trace of
+    the plugin). The switches are therefore registered with their raw values:
+    plugin on, off and each mode compile into different cache entries, and two
+    spellings of one setting at worst cost a recompile. The location-only
+    names hash as a constant, as vLLM's own location variables are excluded.
+    Names vLLM already knows are left as they are.
+    """
+    from vllm import envs
+
+    for name in ENVIRONMENT_VARIABLES:
+        envs.environment_variables.setdefault(name, _reader(name))
+    for name in LOCATION_VARIABLES:
+        envs.environment_variables.setdefault(name, _location_only)
+
+
 def register() -> None:
     """Entry point of the ``vllm.general_plugins`` group; safe to call any number of times.
 
     Never raises: vLLM calls general plugins without a guard, so any problem
     here is logged as a warning and vLLM keeps its own MLA layer.
     """
+    try:
+        # First, and also when the plugin is switched off: VLLM_MLA_FUSION=0 is one of the names.
+        declare_environment_variables()
+    except Exception:  # noqa: BLE001 - a vLLM without that registry warns about the names, nothing worse
+        logger.debug("vllm-mla-fusion: could not declare the environment variables to vLLM", exc_info=True)
     if not env_enabled(ENV_ENABLE):
         logger.info("vllm-mla-fusion: %s=0, leaving vLLM's MLA layers unmodified", ENV_ENABLE)
         return

@@ -1,15 +1,29 @@
-"""MLAAttention whose decode query is assembled by the fused decode op.
+"""MLAAttention whose decode query and prefill key are assembled by the fused ops.
 
-In vLLM 0.33 ``MLAAttention.forward_impl`` computes, for the decode tokens
-(the first ``num_decode_tokens`` of the batch), ``ql_nope = q_nope @ W_UK``
-and then hands ``(ql_nope, q_pe)`` to the backend's ``forward_mqa``, which
-concatenates them, or, when the backend takes an fp8 query, concatenates and
-quantizes them first (``_decode_concat_quant_fp8_op``). A fused layer keeps
-all of ``forward_impl`` and changes only that hand-over: the fp8 concat-quant
-becomes a pass-through and ``forward_mqa`` first turns the pair into
-``[ql_nope | rope(q_pe)]`` with ``mla_fusion::mla_decode_rope_cache_write``,
-which writes the decode tokens' cache rows in the same launch. Prefill
-tokens get ``mla_fusion::mla_rope_cache_write`` before ``forward_impl``.
+In vLLM 0.33 ``MLAAttention.forward_impl`` splits a step's tokens (decodes first):
+
+- decode tokens: ``ql_nope = q_nope @ W_UK``, then ``(ql_nope, q_pe)`` goes to
+  the backend's ``forward_mqa``, which concatenates them, or, when the backend
+  takes an fp8 query, concatenates and quantizes them first
+  (``_decode_concat_quant_fp8_op``). A fused layer changes only that
+  hand-over: the fp8 concat-quant becomes a pass-through and ``forward_mqa``
+  first turns the pair into ``[ql_nope | rope(q_pe)]`` with
+  ``mla_fusion::mla_decode_rope_cache_write``, which writes the decode tokens'
+  cache rows in the same launch. Backends that take the pair as it is
+  (FLASH_ATTN_MLA, CUTLASS_MLA: no concat to save, and assembling it would
+  copy ``ql_nope`` for nothing) instead get ``mla_fusion::mla_rope_cache_write``
+  on the decode rows before ``forward_impl``, and the pair passes unchanged.
+- prefill tokens: ``forward_mha`` projects ``kv_b_proj(kv_c_normed)`` into
+  ``(k_nope, v)`` and builds the attention key with ``_concat_k_nope_k_pe``
+  before anything reads ``q``. A fused layer turns that first call into
+  ``mla_fusion::mla_prefill_rope_cache_write``: q and k_pe rotated, cache rows
+  written and the key built, in one launch. Later calls (chunked-prefill
+  context, whose k_pe comes rotated from the cache) stay vLLM's. Where ``q``
+  is read before the key is built (fp8 prefill attention casts it first) or
+  the backend builds the key another way, the prefill tokens instead get
+  ``mla_fusion::mla_rope_cache_write`` before ``forward_impl`` and vLLM's own
+  concat (eligibility.py says which, per backend and step).
+
 Launches per layer and step: decode-only 1, prefill-only 1, mixed 2.
 
 MLAAttention is not a pluggable layer and registers itself in vLLM's
@@ -23,12 +37,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
-from ..ops import mla_decode_rope_cache_write, mla_rope_cache_write
+from ..ops import eager
+from . import ENV_PREWARM, eligibility, env_enabled, prewarm
 from .custom_ops import write_target
+
+logger = init_logger("vllm.vllm_mla_fusion.attention")
 
 
 class _DeferredDecodeQuery(torch.nn.Module):
@@ -53,31 +71,88 @@ class _DecodeStep:
     assembled: bool = False
 
 
+@dataclass
+class _PrefillStep:
+    """What the prefill key assembly of one step needs beyond (k_nope, k_pe)."""
+
+    positions: torch.Tensor  # [num_prefill_tokens]
+    q_pe: torch.Tensor  # [num_prefill_tokens, H, R] view of q, un-rotated
+    kv_c: torch.Tensor  # [num_prefill_tokens, L]
+    slot_mapping: torch.Tensor  # [num_prefill_tokens]
+    kv_cache: torch.Tensor
+    kv_cache_dtype: str
+    cos_sin_cache: torch.Tensor
+    is_neox: bool
+    assembled: bool = False
+
+
 class FusedMLAAttention(MLAAttention):
     """An MLAAttention whose RoPE, cache write and decode query come from the fused ops."""
 
     _fused_step: _DecodeStep | None
+    _prefill_step: _PrefillStep | None
     _decode_query_dtype: torch.dtype | None  # fp8 when the backend takes an fp8 query
+    _prefill_key_fused: bool  # the backend's forward_mha builds the key through _concat_k_nope_k_pe
+    _prefill_key_reasons: set[str]  # per-step fallback reasons already logged
+    _prewarm_block_size: int | None  # the cache's block size, when kernels are compiled in the profile run
+    _decode_assembles_query: bool  # op 2 builds [ql_nope | rope(q_pe)]; else op 1 rotates the decode rows
 
     @classmethod
-    def promote(cls, attn: MLAAttention) -> FusedMLAAttention:
-        """Turn ``attn`` into a FusedMLAAttention in place (see the module docstring)."""
+    def promote(cls, attn: MLAAttention, backend: str, block_size: int) -> FusedMLAAttention:
+        """Turn ``attn`` into a FusedMLAAttention in place (see the module docstring).
+
+        ``backend`` is the one the ops resolve to on this layer's device and
+        ``block_size`` the KV cache's (both for compiling the kernel ahead).
+        """
         # Same condition as forward_impl's choice of the fp8 concat-quant.
         fp8_query = is_quantized_kv_cache(attn.kv_cache_dtype) and attn.impl.supports_quant_query_input
         vllm_forward_mqa = attn.impl.forward_mqa
+        assemble_reason = eligibility.decode_pair_reason(attn.impl, fp8_query)
 
         def forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer):
             if isinstance(q, tuple):
                 q = layer.assemble_decode_query(*q)
             return vllm_forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
 
+        prefill_reason = eligibility.prefill_key_reason(attn.impl)
         attn.__class__ = cls
         attn._fused_step = None
+        attn._prefill_step = None
         attn._decode_query_dtype = current_platform.fp8_dtype() if fp8_query else None
+        attn._prefill_key_fused = prefill_reason is None
+        attn._prefill_key_reasons = set()
+        attn._prewarm_block_size = block_size if backend != "torch" and env_enabled(ENV_PREWARM) else None
+        attn._decode_assembles_query = assemble_reason is None
         if fp8_query:
             attn._decode_concat_quant_fp8_op = _DeferredDecodeQuery()
-        attn.impl.forward_mqa = forward_mqa
+        if assemble_reason is None:
+            attn.impl.forward_mqa = forward_mqa
+        else:
+            logger.debug("vllm-mla-fusion: %s rotates the decode rows with op 1: %s", attn.layer_name, assemble_reason)
+        if prefill_reason is None:
+            impl = attn.impl
+            # What vLLM would call: an instance attribute someone set before us (a wrapper
+            # of theirs), else the class's method, looked up at each call.
+            previous = impl.__dict__.get("_concat_k_nope_k_pe")
+
+            def concat_k_nope_k_pe(k_nope, k_pe):
+                vllm_concat = previous or type(impl)._concat_k_nope_k_pe.__get__(impl)
+                return attn.assemble_prefill_key(k_nope, k_pe, vllm_concat)
+
+            impl._concat_k_nope_k_pe = concat_k_nope_k_pe
+        else:
+            logger.debug("vllm-mla-fusion: %s builds the prefill key the vLLM way: %s", attn.layer_name, prefill_reason)
         return attn
+
+    def _fuse_prefill_key(self, attn_metadata) -> bool:
+        """Whether this step's prefill rows reach the key through the fused prefill op."""
+        if not self._prefill_key_fused:
+            return False
+        reason = eligibility.prefill_key_step_reason(self.impl, attn_metadata)
+        if reason is not None and reason not in self._prefill_key_reasons:
+            self._prefill_key_reasons.add(reason)  # once per layer and reason, never per step
+            logger.debug("vllm-mla-fusion: %s keeps vLLM's prefill key for such steps: %s", self.layer_name, reason)
+        return reason is None
 
     def forward_fused(
         self,
@@ -107,32 +182,88 @@ class FusedMLAAttention(MLAAttention):
             # Profile and dummy runs: vLLM writes every token that has a slot
             # and forward_impl returns zeros without reading anything.
             num_decode, end = 0, num_tokens
+            if self._prewarm_block_size is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+                prewarm.kernels(self, q, kv_c_normed, k_pe, positions, cos_sin_cache, is_neox,
+                                self._prewarm_block_size, num_tokens)  # fmt: skip
         else:
             num_decode, end = attn_metadata.num_decode_tokens, attn_metadata.num_actual_tokens
+        prefill = None
+        # Rows that get op 1 now: the decode rows where the backend takes (ql_nope, q_pe) as is,
+        # and the prefill rows where vLLM builds the key. Decode rows come first, so the two
+        # ranges are one when both apply: one launch.
+        first = num_decode if self._decode_assembles_query else 0
+        last = num_decode
         if end > num_decode:
-            rows = slice(num_decode, end)
-            mla_rope_cache_write(
+            if attn_metadata is not None and self._fuse_prefill_key(attn_metadata):
+                rows = slice(num_decode, end)
+                prefill = _PrefillStep(
+                    positions[rows], q[rows, :, -rope_dim:], kv_c_normed[rows], slots[rows], cache, cache_dtype,
+                    cos_sin_cache, is_neox,
+                )  # fmt: skip
+            else:
+                last = end
+        if last > first:
+            rows = slice(first, last)
+            eager.mla_rope_cache_write(
                 positions[rows], q[rows, :, -rope_dim:], k_pe[rows], kv_c_normed[rows], cos_sin_cache, is_neox,
                 slots[rows], cache, cache_dtype, self._k_scale,
             )  # fmt: skip
         step = None
-        if num_decode > 0:
+        if num_decode > 0 and self._decode_assembles_query:
             step = _DecodeStep(
                 positions[:num_decode], k_pe[:num_decode], kv_c_normed[:num_decode], slots[:num_decode], cache,
                 cache_dtype, cos_sin_cache, is_neox,
             )  # fmt: skip
-        self._fused_step = step
+        self._fused_step, self._prefill_step = step, prefill
         try:
             self.forward_impl(q, kv_c_normed, k_pe, kv_cache, attn_metadata, output=output)
         finally:
-            self._fused_step = None
+            self._fused_step = self._prefill_step = None
+        # forward_impl took a route this plugin does not know: the tokens' RoPE and cache
+        # rows would be missing. Fail loudly.
         if step is not None and not step.assembled:
-            # forward_impl took a decode route this plugin does not know; the
-            # decode tokens' cache rows would be missing. Fail loudly.
             raise RuntimeError(
                 f"vllm-mla-fusion: {self.layer_name} had {num_decode} decode tokens but vLLM's forward_impl "
                 "never asked for their query; set VLLM_MLA_FUSION_DECODE=0 and report this vLLM configuration"
             )
+        if prefill is not None and not prefill.assembled:
+            raise RuntimeError(
+                f"vllm-mla-fusion: {self.layer_name} had {end - num_decode} prefill tokens but vLLM's forward_mha "
+                "never built their key; set VLLM_MLA_FUSION_PREFILL_KEY=0 and report this vLLM configuration"
+            )
+
+    def assemble_prefill_key(self, k_nope: torch.Tensor, k_pe: torch.Tensor, vllm_concat) -> torch.Tensor:
+        """The prefill attention key ``[k_nope | rope(k_pe)]`` ``[T, H, P + R]``; q, k_pe rotated, cache written.
+
+        Takes the place of ``impl._concat_k_nope_k_pe``. Only the first call of a
+        fused step is the step's own tokens; any other (the chunked context, read
+        back from the cache already rotated) is vLLM's concat.
+        """
+        step = self._prefill_step
+        if step is None or step.assembled:
+            return vllm_concat(k_nope, k_pe)
+        step.assembled = True
+        num_tokens, num_heads, rope_dim = step.q_pe.shape
+        if tuple(k_nope.shape[:2]) != (num_tokens, num_heads) or k_nope.dtype != step.q_pe.dtype:
+            # Not the key this step was prepared for: keep the semantics (rotate and
+            # write first, then vLLM's concat of the rotated k_pe) rather than guess.
+            logger.warning_once(
+                "vllm-mla-fusion: unexpected prefill key input %s %s in %s; using op 1 + vLLM's concat",
+                tuple(k_nope.shape), k_nope.dtype, self.layer_name,
+            )  # fmt: skip
+            eager.mla_rope_cache_write(
+                step.positions, step.q_pe, k_pe, step.kv_c, step.cos_sin_cache, step.is_neox, step.slot_mapping,
+                step.kv_cache, step.kv_cache_dtype, self._k_scale,
+            )  # fmt: skip
+            return vllm_concat(k_nope, k_pe)
+        k_out = torch.empty(
+            (num_tokens, num_heads, k_nope.shape[-1] + rope_dim), dtype=k_nope.dtype, device=k_nope.device
+        )
+        eager.mla_prefill_rope_cache_write(
+            step.positions, step.q_pe, k_pe, step.kv_c, k_nope, step.cos_sin_cache, step.is_neox, step.slot_mapping,
+            step.kv_cache, k_out, step.kv_cache_dtype, self._k_scale,
+        )  # fmt: skip
+        return k_out
 
     def assemble_decode_query(self, ql_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """``[ql_nope | rope(q_pe)]`` ``[B, H, L + R]`` (fp8 if the backend wants it), caching the decode rows."""
@@ -147,7 +278,7 @@ class FusedMLAAttention(MLAAttention):
             dtype=self._decode_query_dtype or ql_nope.dtype,
             device=ql_nope.device,
         )
-        mla_decode_rope_cache_write(
+        eager.mla_decode_rope_cache_write(
             step.positions, ql_nope, q_pe, step.k_pe, step.kv_c, step.cos_sin_cache, step.is_neox, step.slot_mapping,
             step.kv_cache, q_out, step.kv_cache_dtype, self._k_scale,
             self._q_scale if self._decode_query_dtype is not None else None,

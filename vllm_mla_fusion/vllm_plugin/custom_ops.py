@@ -26,7 +26,7 @@ from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfe
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import LayerNameType, _resolve_layer_name, direct_register_custom_op
 
-from ..ops import mla_rope_cache_write
+from ..ops import eager
 
 NAMESPACE = "mla_fusion_vllm"
 ATTENTION_OP = f"{NAMESPACE}::mla_attention_with_output"
@@ -78,7 +78,9 @@ def rope_kv_cache_update(
     cache, slots, cache_dtype = write_target(
         kv_cache, slot_mapping, kv_cache_dtype, q.shape[0], kv_c_normed.shape[-1] + rope_dim, kv_c_normed
     )
-    mla_rope_cache_write(positions, q_pe, k_pe, kv_c_normed, cos_sin_cache, is_neox, slots, cache, cache_dtype, k_scale)
+    # The op's body without the dispatcher: this op is opaque already (the body runs eagerly).
+    eager.mla_rope_cache_write(positions, q_pe, k_pe, kv_c_normed, cos_sin_cache, is_neox, slots, cache, cache_dtype,
+                               k_scale)
     return torch.empty(0, device=kv_c_normed.device, dtype=kv_c_normed.dtype)
 
 

@@ -13,13 +13,14 @@ from collections.abc import Callable
 
 import torch
 from vllm.config import VllmConfig
-from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+from vllm.model_executor.layers.attention.mla_attention import MLACommonBaseImpl, MLAAttention
+from vllm.platforms import current_platform
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import DeepseekScalingRotaryEmbedding
 from vllm.v1.attention.backend import MLAAttentionImpl
 
 from .. import dispatch, fp8
-from . import ENV_DECODE, env_enabled
+from . import ENV_DECODE, ENV_PREFILL_KEY, env_enabled
 
 # RotaryEmbedding subclasses that differ from it only in how cos_sin_cache is
 # filled (YaRN, Llama3, NTK, linear scaling, ...) rotate exactly like it; a
@@ -118,6 +119,89 @@ def decode_reason(attn: MLAAttention, vllm_config: VllmConfig) -> str | None:
         return "the attention backend has no forward_mqa"
     if not isinstance(getattr(attn, "_decode_concat_quant_fp8_op", None), torch.nn.Module):
         return "MLAAttention has no decode concat-quant module"
+    return None
+
+
+# Backends whose forward_mqa consumes the (ql_nope, q_pe) pair as it is (FlashAttention's
+# q_v / CUTLASS's q_nope, q_pe arguments); the others concatenate a pair first. Matched by
+# name along the class's MRO: importing those modules would initialise CUDA.
+_DECODE_PAIR_BACKENDS = frozenset({
+    ("vllm.v1.attention.backends.mla.flashattn_mla", "FlashAttnMLAImpl"),
+    ("vllm.v1.attention.backends.mla.cutlass_mla", "CutlassMLAImpl"),
+})  # fmt: skip
+
+
+def _takes_decode_pair(impl: MLAAttentionImpl) -> bool:
+    return any((c.__module__, c.__qualname__) in _DECODE_PAIR_BACKENDS for c in type(impl).__mro__)
+
+
+def decode_pair_reason(impl: MLAAttentionImpl, fp8_query: bool) -> str | None:
+    """Why a decode-mode layer's decode rows get op 1 (the pair passes on) rather than op 2, or None.
+
+    Op 2 writes ``[ql_nope | rope(q_pe)]``: it saves a concatenation the backend would
+    do, at the price of copying ``ql_nope``. A backend that takes the pair as it is has
+    no concatenation to save: op 1 rotates ``q_pe`` in place and writes the cache rows,
+    moving a fraction of the bytes. An fp8 query is always assembled (vLLM quantizes
+    the concatenation).
+    """
+    if fp8_query:
+        return None
+    if _takes_decode_pair(impl):
+        return f"{type(impl).__name__}.forward_mqa takes (ql_nope, q_pe) without concatenating"
+    return None
+
+
+def _aiter_mla_impl() -> type | None:
+    try:
+        from vllm.v1.attention.backends.mla.rocm_aiter_mla import AiterMLAImpl
+    except ImportError:
+        return None
+    return AiterMLAImpl
+
+
+def prefill_key_reason(impl: MLAAttentionImpl) -> str | None:
+    """Why a decode-mode layer's prefill rows keep op 1 + vLLM's key concat, or None.
+
+    The fused prefill op replaces the first ``_concat_k_nope_k_pe`` call of
+    ``forward_mha``, which must come before anything reads ``q``. That holds for
+    the forward_mha this was written against: MLACommonBaseImpl's (every dense
+    backend but these two) and ROCM_AITER_MLA's, whose FP8-prefill branch is
+    checked per step (prefill_key_step_reason). AMX_MLA and any other backend
+    with a forward_mha of its own build the key their own way.
+    """
+    if not env_enabled(ENV_PREFILL_KEY):
+        return f"{ENV_PREFILL_KEY}=0"
+    cls = type(impl)
+    known = [MLACommonBaseImpl.forward_mha] + ([aiter.forward_mha] if (aiter := _aiter_mla_impl()) else [])
+    if getattr(cls, "forward_mha", None) not in known:
+        return f"{cls.__name__} has its own forward_mha"
+    if getattr(cls, "_concat_k_nope_k_pe", None) is not MLACommonBaseImpl._concat_k_nope_k_pe:
+        return f"{cls.__name__} has its own _concat_k_nope_k_pe"
+    return None
+
+
+def prefill_key_step_reason(impl: MLAAttentionImpl, attn_metadata) -> str | None:
+    """Why this step's prefill rows keep op 1 + vLLM's concat, or None (the fused prefill op).
+
+    Decided per step from the step's metadata, as forward_mha decides its path.
+    """
+    prefill = getattr(attn_metadata, "prefill", None)
+    if prefill is None:
+        return "the step has no prefill metadata"
+    if prefill.q_data_type == current_platform.fp8_dtype():
+        # forward_mha casts q to fp8 before it builds the key: q must already be rotated.
+        return "fp8 prefill attention reads q before the key is built"
+    aiter = _aiter_mla_impl()
+    if aiter is not None and isinstance(impl, aiter):
+        # AiterMLAImpl.forward_mha: with its FP8 prefill path on and no chunked context,
+        # fused_mla_prefill_qkv_fp8 reads q and builds the key itself.
+        fp8_path = (
+            getattr(impl, "_fp8_prefill_enabled", False)
+            and getattr(attn_metadata, "fp8_prefill_qo_indptr", None) is not None
+            and prefill.chunked_context is None
+        )
+        if fp8_path and getattr(impl, "_fused_prefill_qkv", False):
+            return "ROCM_AITER_MLA's fused FP8 prefill (fused_mla_prefill_qkv_fp8) builds q and the key"
     return None
 
 

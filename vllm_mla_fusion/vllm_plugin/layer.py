@@ -90,7 +90,7 @@ class FusedMultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
             decode_reason = eligibility.decode_reason(self.mla_attn, vllm_config)
             backend = eligibility.load_backend(self.rotary_emb.cos_sin_cache.device, decode=decode_reason is None)
             if decode_reason is None:
-                self._setup_decode_mode(vllm_config)
+                self._setup_decode_mode(vllm_config, backend)
             else:
                 logger.debug(
                     "vllm-mla-fusion: %s assembles the decode query the vLLM way: %s", self.prefix, decode_reason
@@ -120,7 +120,7 @@ class FusedMultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
 
         self.fusion_mode = MODE_ROPE_CACHE
 
-    def _setup_decode_mode(self, vllm_config) -> None:
+    def _setup_decode_mode(self, vllm_config, backend: str) -> None:
         from . import custom_ops
         from .attention import FusedMLAAttention
 
@@ -129,7 +129,7 @@ class FusedMultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         splitting = vllm_config.compilation_config.splitting_ops
         if splitting is not None and VLLM_ATTENTION_OP in splitting and custom_ops.ATTENTION_OP not in splitting:
             splitting.append(custom_ops.ATTENTION_OP)
-        FusedMLAAttention.promote(self.mla_attn)
+        FusedMLAAttention.promote(self.mla_attn, backend, vllm_config.cache_config.block_size)
         self.fusion_mode = MODE_DECODE
 
     def _project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Host time per call of the ops, where nothing captures them (eager vLLM, piecewise-graph steps).
+
+Inside a CUDA graph a call costs only its GPU time; outside one, vLLM's
+attention op runs its Python each step, per layer, and the host time of the
+fused ops adds up over 61 layers. This script issues many back-to-back calls
+of one-token shapes (GPU work far below the host cost) and reports wall time
+per call, which is then the host's issue cost, for:
+
+- ``public``: ``vllm_mla_fusion.mla_*`` (the torch.library custom op, what a
+  user calls);
+- ``eager``: ``vllm_mla_fusion.ops.eager.*`` (the op's body without the
+  dispatcher, what the vLLM plugin calls inside its attention op);
+- ``validate``: the argument checks alone;
+- ``backend``: the Triton backend function alone (the Triton launcher);
+- vLLM's ``concat_and_cache_mla_rope_fused`` and ``concat_and_cache_mla`` C++
+  ops when vLLM is importable, a trivial Triton kernel and ``x.add_(1)``.
+
+    python3 benchmarks/host_overhead.py --out /tmp/host      # ~20 s on an H200 host
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import vllm_mla_fusion as mla  # noqa: E402
+from vllm_mla_fusion import validation  # noqa: E402
+from vllm_mla_fusion.backends import triton as tb  # noqa: E402
+from vllm_mla_fusion.ops import eager  # noqa: E402
+
+L, R, P, V, MAX_POS = 512, 64, 128, 128, 163840
+
+
+@triton.jit
+def _trivial(x_ptr):
+    tl.store(x_ptr, tl.load(x_ptr) + 1)
+
+
+def per_call_us(fn, n: int) -> float:
+    """Median over 5 rounds of wall time per call for ``n`` back-to-back calls."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    rounds = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        rounds.append((time.perf_counter() - t0) / n * 1e6)
+    return sorted(rounds)[2]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--calls", type=int, default=2000)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    H, T = args.heads, 1
+    bf = dict(dtype=torch.bfloat16, device=dev)
+    q = torch.randn(T, H, P + R, **bf)
+    kv_a = torch.randn(T, 1536 + L + R, **bf)
+    k_pe, kv_c = kv_a[:, 1536 + L :], torch.randn(T, L, **bf)
+    q_pe = q[..., P:]
+    cs = torch.randn(MAX_POS, R, device=dev)
+    pos = torch.zeros(T, dtype=torch.int64, device=dev)
+    slots = torch.zeros(T, dtype=torch.int64, device=dev)
+    cache = torch.zeros(64, 64, L + R, **bf)
+    ql_nope = torch.randn(T, H, L, **bf)
+    q_out = torch.empty(T, H, L + R, **bf)
+    k_nope = torch.randn(T, H, P + V, **bf)[..., :P]
+    k_out = torch.empty(T, H, P + R, **bf)
+    scale = torch.ones(1, device=dev)
+    dec = (pos, ql_nope, q_pe, k_pe, kv_c, cs, False, slots, cache, q_out, "auto", None, None)
+    pre = (pos, q_pe, k_pe, kv_c, k_nope, cs, False, slots, cache, k_out, "auto", None)
+    p_dec = validation.check_decode_rope_cache_write(*dec, True)
+    p_pre = validation.check_prefill_rope_cache_write(*pre)
+    rows = {
+        "decode public": lambda: mla.mla_decode_rope_cache_write(*dec),
+        "decode eager": lambda: eager.mla_decode_rope_cache_write(*dec, True),
+        "decode validate": lambda: validation.check_decode_rope_cache_write(*dec, True),
+        "decode backend": lambda: tb.decode_rope_cache_write(p_dec, pos, ql_nope, q_pe, k_pe, kv_c, cs, False,
+                                                             slots, cache, q_out, None, None, True),  # fmt: skip
+        "prefill public": lambda: mla.mla_prefill_rope_cache_write(*pre),
+        "prefill eager": lambda: eager.mla_prefill_rope_cache_write(*pre),
+        "prefill backend": lambda: tb.prefill_rope_cache_write(p_pre, pos, q_pe, k_pe, kv_c, k_nope, cs, False, slots,
+                                                               cache, k_out, None),  # fmt: skip
+        "trivial triton kernel": lambda: _trivial[(1,)](scale),
+        "torch x.add_(1)": lambda: scale.add_(1),
+    }
+    try:
+        from vllm import _custom_ops as ops
+
+        cs_bf = cs.to(torch.bfloat16)
+        rows["vllm concat_and_cache_mla_rope_fused"] = lambda: ops.concat_and_cache_mla_rope_fused(
+            pos, q_pe, k_pe, kv_c, cs_bf, False, slots, cache, "auto", scale
+        )
+        rows["vllm concat_and_cache_mla"] = lambda: ops.concat_and_cache_mla(kv_c, k_pe, cache, slots, "auto", scale)
+    except Exception as e:  # noqa: BLE001 - vLLM is optional here
+        print(f"vLLM ops not measured: {type(e).__name__}: {e}")
+    result = {"heads": H, "tokens": T, "calls": args.calls, "torch": torch.__version__, "triton": triton.__version__,
+              "us_per_call": {}}  # fmt: skip
+    for name, fn in rows.items():
+        try:
+            result["us_per_call"][name] = per_call_us(fn, args.calls)
+        except Exception as e:  # noqa: BLE001
+            result["us_per_call"][name] = f"failed: {type(e).__name__}: {e}"
+        v = result["us_per_call"][name]
+        print(f"{name:40s} {v if isinstance(v, str) else f'{v:7.2f} us'}", flush=True)
+    (args.out / "host_overhead.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""The profile run compiles every launch configuration of the layer's ops, and changes nothing.
+
+Runs the Triton kernel in Triton's interpreter (the backend forced to triton),
+so "compiling" is a launch here; on a GPU the same launches compile the
+kernel's variants (their number is what vLLM's first requests no longer pay).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from . import harness as H
+
+pytest.importorskip("vllm")
+pytest.importorskip("triton")
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture
+def triton_layer(vllm_cpu, plugin_on, monkeypatch):
+    from vllm_mla_fusion.vllm_plugin import prewarm
+
+    monkeypatch.setenv("VLLM_MLA_FUSION_BACKEND", "triton")
+    monkeypatch.setattr(prewarm, "_DONE", set())
+    attn = vllm_cpu.build_attention()
+    vllm_cpu.finish_weights(attn, seed=4)
+    H.mla_layer(attn)[1].bind_kv_cache(H.new_kv_cache(seed=9))
+    return attn
+
+
+def _profile_step(vllm_cpu, attn, num_tokens: int, seed: int):
+    """A forward with no attention metadata, as vLLM's profile run makes it."""
+    from vllm.forward_context import set_forward_context
+
+    mla = H.mla_layer(attn)[1]
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn((num_tokens, H.DSV3_CONFIG["hidden_size"]), generator=g).to(H.DTYPE)
+    positions = torch.randint(0, 1000, (num_tokens,), generator=g)
+    slots = torch.full((num_tokens,), -1, dtype=torch.int64)
+    with vllm_cpu.active(), set_forward_context({mla.layer_name: None}, vllm_cpu.config,
+                                                slot_mapping={mla.layer_name: slots}):  # fmt: skip
+        return attn(positions, hidden, None)
+
+
+def test_profile_run_launches_every_configuration_once(vllm_cpu, triton_layer, monkeypatch):
+    from vllm_mla_fusion.backends import triton as tb
+    from vllm_mla_fusion.validation import Problem
+
+    launches = []
+    original = tb._launch
+
+    def recording(p, op, *args, **kwargs):
+        launches.append((op, tb.LAUNCH_CONFIG_OVERRIDE and dict(tb.LAUNCH_CONFIG_OVERRIDE)))
+        return original(p, op, *args, **kwargs)
+
+    monkeypatch.setattr(tb, "_launch", recording)
+    mla = H.mla_layer(triton_layer)[1]
+    cache_before = mla.kv_cache.clone()
+    T = 40
+    _profile_step(vllm_cpu, triton_layer, T, seed=1)
+    assert torch.equal(mla.kv_cache, cache_before), "compiling ahead must not write the cache"
+
+    p = Problem(1, mla.num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim, torch.bfloat16,
+                nope_dim=mla.qk_nope_head_dim)  # fmt: skip
+    forced = [(op, cfg) for op, cfg in launches if cfg is not None]
+    for op in (tb.OP_ROPE_CACHE.value, tb.OP_DECODE.value, tb.OP_PREFILL.value):
+        want = tb.launch_configs(p, op, torch.device("cpu"), T)
+        got = [cfg for o, cfg in forced if o == op]
+        assert got == want, (op, got, want)
+    # The profile run's own work (op 1 over the batch) is not forced.
+    assert [op for op, cfg in launches if cfg is None] == [tb.OP_ROPE_CACHE.value]
+    assert tb.LAUNCH_CONFIG_OVERRIDE is None
+
+    launches.clear()
+    _profile_step(vllm_cpu, triton_layer, T, seed=2)
+    assert [cfg for _, cfg in launches if cfg is not None] == [], "done once per process and layer shape"
+
+
+def test_prewarm_switch(vllm_cpu, plugin_on, monkeypatch):
+    monkeypatch.setenv("VLLM_MLA_FUSION_BACKEND", "triton")
+    monkeypatch.setenv("VLLM_MLA_FUSION_PREWARM", "0")
+    attn = vllm_cpu.build_attention()
+    assert H.mla_layer(attn)[1]._prewarm_block_size is None
+    monkeypatch.delenv("VLLM_MLA_FUSION_PREWARM")
+    assert H.mla_layer(vllm_cpu.build_attention())[1]._prewarm_block_size == H.BLOCK_SIZE

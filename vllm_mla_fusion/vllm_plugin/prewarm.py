@@ -1,0 +1,86 @@
+"""Compile the Triton kernel's variants during vLLM's profile run, before any request.
+
+The kernel's tile sizes depend on the step's token count (small steps spread
+over more programs), and each tile size is a compiled variant. vLLM's warm-up
+runs decode batches of the CUDA-graph capture sizes and one profile run at
+``max_num_batched_tokens``, so prefills of other sizes would otherwise compile
+(or load from Triton's disk cache) on the first request that has them: a
+latency spike of milliseconds to a second inside a user's request.
+
+The profile run is the place to do it: it is the one forward that runs once
+per process before serving, with the layer's real tensors, so the variants
+compiled here are specialized exactly as the real calls will be (strides,
+alignment, dtypes). Each variant is compiled by a one-token call with its
+launch configuration forced, on scratch outputs and all-padding slots: no
+cache row is written, no input is modified, and the extra memory is a few
+rows (the profile run measures peak memory).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import fp8
+from ..backends import triton as triton_backend
+from ..ops import eager
+from ..validation import Problem
+
+# (layer signature) -> done; once per process for each distinct set of shapes and dtypes.
+_DONE: set[tuple] = set()
+
+
+def _like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A zeroed one-token tensor with ``t``'s strides (so the same kernel specialization)."""
+    return torch.empty_strided((1, *t.shape[1:]), t.stride(), dtype=dtype or t.dtype, device=t.device).zero_()
+
+
+def kernels(attn, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor,
+            cos_sin_cache: torch.Tensor, is_neox: bool, block_size: int, max_tokens: int) -> int:  # fmt: skip
+    """Compile every launch configuration the layer's ops use for 1 to ``max_tokens`` tokens.
+
+    ``attn`` is a FusedMLAAttention; the other tensors are the profile run's.
+    Returns the number of variants launched (0 when already done or not Triton).
+    """
+    H, L, R, P = attn.num_heads, attn.kv_lora_rank, attn.qk_rope_head_dim, attn.qk_nope_head_dim
+    act = q.dtype
+    kvd = attn.kv_cache_dtype
+    storage = torch.uint8 if kvd.startswith("fp8") else (fp8.float_dtype_of_name(kvd) or act)
+    q_dtype = attn._decode_query_dtype or act
+    key = (H, L, R, P, attn.v_head_dim, act, kvd, q_dtype, block_size, is_neox, cos_sin_cache.dtype, q.stride(),
+           k_pe.stride(), kv_c_normed.stride(), attn._prefill_key_fused, q.device)  # fmt: skip
+    if key in _DONE:
+        return 0
+    _DONE.add(key)
+    device = q.device
+    q1 = _like(q)
+    q_pe, k_pe1, kv_c = q1[..., P:], _like(k_pe), _like(kv_c_normed)
+    pos = positions[:1]
+    slots = torch.full((1,), -1, dtype=torch.int64, device=device)  # padding: nothing is written
+    cache = torch.zeros((1, block_size, L + R), dtype=storage, device=device)
+    k_scale = attn._k_scale
+    q_scale = attn._q_scale if attn._decode_query_dtype is not None else None
+    ql_nope = torch.zeros((1, H, L), dtype=act, device=device)  # forward_impl's token-major bmm output
+    q_out = torch.empty((1, H, L + R), dtype=q_dtype, device=device)
+    kv_nope = torch.zeros((1, H, P + attn.v_head_dim), dtype=act, device=device)  # kv_b_proj's output view
+    k_out = torch.empty((1, H, P + R), dtype=act, device=device)
+    cache_dtype = fp8.cache_store_dtype(cache, kvd)
+    calls = {
+        triton_backend.OP_ROPE_CACHE.value: lambda: eager.mla_rope_cache_write(
+            pos, q_pe, k_pe1, kv_c, cos_sin_cache, is_neox, slots, cache, kvd, k_scale
+        ),
+        triton_backend.OP_DECODE.value: lambda: eager.mla_decode_rope_cache_write(
+            pos, ql_nope, q_pe, k_pe1, kv_c, cos_sin_cache, is_neox, slots, cache, q_out, kvd, k_scale, q_scale, True
+        ),
+    }
+    if attn._prefill_key_fused:
+        calls[triton_backend.OP_PREFILL.value] = lambda: eager.mla_prefill_rope_cache_write(
+            pos, q_pe, k_pe1, kv_c, kv_nope[..., :P], cos_sin_cache, is_neox, slots, cache, k_out, kvd, k_scale
+        )
+    launched = 0
+    for op, call in calls.items():
+        p = Problem(1, H, L, R, cache_dtype, nope_dim=P)
+        for cfg in triton_backend.launch_configs(p, op, device, max_tokens):
+            with triton_backend.forced_launch_config(cfg):
+                call()
+            launched += 1
+    return launched
