@@ -282,16 +282,17 @@ def scaled_fp8_case(dtype: torch.dtype, scale: float, *, T: int, H: int, L: int,
 
 
 def out_of_range_slot_case(*, T: int = 7, H: int = 2, block_size: int, index_dtype: torch.dtype, far: bool = True,
-                           **kw):  # fmt: skip
+                           make=None, **kw):  # fmt: skip
     """``(case, capacity)``: a cache that is a view into a larger buffer with canary rows after
     it (checked through its parent), and slot_mapping ``[0, capacity, 5, capacity + 2, 10**9,
     capacity - 1, huge, ...]``. Entries at or past the capacity must write nothing: neither into
     the guard rows nor anywhere past the allocation (10**9 and ``huge`` are far beyond it).
     ``far=False`` keeps every bad slot inside the guard rows, so that an unguarded kernel fails
-    an assertion instead of crashing the process."""
+    an assertion instead of crashing the process. ``make`` (default :func:`make_case`) builds the
+    case from the keyword arguments."""
     guard_rows = 3 * block_size + 4
-    case = make_case(T=T, H=H, block_size=block_size, index_dtype=index_dtype, pad_every=0, guard_rows=guard_rows,
-                     **kw)  # fmt: skip
+    case = (make or make_case)(T=T, H=H, block_size=block_size, index_dtype=index_dtype, pad_every=0,
+                               guard_rows=guard_rows, **kw)  # fmt: skip
     cap = case.kv_cache.shape[0] * case.kv_cache.shape[1]
     huge = 2**31 - 1 if index_dtype == torch.int32 else 2**62
     far_slots = (10**9, huge) if far else (cap + 1, cap + guard_rows // block_size - 1)

@@ -204,62 +204,71 @@ def test_addressing_past_2_to_the_31_elements():
     assert (flat[last - 1] == 7.0).all() and (kv_cache[0] == 3.0).all()
 
 
-# (op, block size, index dtype, store kind): both ops, both block sizes, both index dtypes and
-# both store kinds, pairwise, so that compute-sanitizer runs them all in a few seconds.
-SLOT_CASES = [(False, 1, torch.int64, "bf16"), (True, 64, torch.int32, "fp8"), (False, 64, torch.int32, "fp8"),
-              (True, 1, torch.int64, "bf16")]  # fmt: skip
+def _gpu_case(op: str, store: str, **kw):
+    """A DeepSeek-V3-sized case for ``op`` on the GPU: bf16, or an fp8 cache and fp8 q_out/k_out."""
+    kw = {**DSV3, "nope_dim": 128, **kw}
+    if store == "fp8":
+        kw.update(cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.37)
+        kw.update({"decode": dict(q_out_dtype=torch.float8_e4m3fn, q_scale=0.7),
+                   "prefill": dict(k_out_dtype=torch.float8_e4m3fn)}.get(op, {}))  # fmt: skip
+    return make_case(decode=op == "decode", prefill=op == "prefill", device="cuda", **kw)
 
 
-@pytest.mark.parametrize("decode,block_size,index_dtype,store", SLOT_CASES, ids=str)
-def test_out_of_range_slots_write_nothing(decode, block_size, index_dtype, store):
+def _run_and_check(op: str, case) -> None:
+    if op == "decode":
+        mla.mla_decode_rope_cache_write(*case.decode_args(), is_nope_first=case.is_nope_first, backend="triton")
+        check_decode_rope_cache_write(case)
+    elif op == "prefill":
+        mla.mla_prefill_rope_cache_write(*case.prefill_args(), backend="triton")
+        check_prefill_rope_cache_write(case)
+    else:
+        mla.mla_rope_cache_write(*case.rope_args(), backend="triton")
+        check_rope_cache_write(case)
+
+
+# (op, block size, index dtype, store kind): every op, both block sizes, both index dtypes and
+# both store kinds, pairwise, so that compute-sanitizer runs them all in seconds.
+SLOT_CASES = [("rope_cache_write", 1, torch.int64, "bf16"), ("decode", 64, torch.int32, "fp8"),
+              ("prefill", 64, torch.int32, "fp8"), ("rope_cache_write", 64, torch.int32, "fp8"),
+              ("decode", 1, torch.int64, "bf16"), ("prefill", 1, torch.int64, "bf16")]  # fmt: skip
+
+
+@pytest.mark.parametrize("op,block_size,index_dtype,store", SLOT_CASES, ids=str)
+def test_out_of_range_slots_write_nothing(op, block_size, index_dtype, store):
     """slot_mapping [0, capacity, 5, capacity + 2, 10**9, capacity - 1, huge, random valid...]:
     the slots at or past the cache's capacity write nothing (canary rows after the cache stay
     byte-identical; scripts/gpu_check.sh's memcheck sees no access past the allocation), the
     rest of the batch is as specified."""
-    kw = dict(cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.37) if store == "fp8" else {}
-    if decode and store == "fp8":
-        kw.update(q_out_dtype=torch.float8_e4m3fn, q_scale=0.7)
-    case, cap = out_of_range_slot_case(T=40, H=16, block_size=block_size, index_dtype=index_dtype, decode=decode,
-                                       device="cuda", seed=block_size, **DSV3, **kw)  # fmt: skip
-    if decode:
-        mla.mla_decode_rope_cache_write(*case.decode_args(), backend="triton")
-        check_decode_rope_cache_write(case)
-    else:
-        mla.mla_rope_cache_write(*case.rope_args(), backend="triton")
-        check_rope_cache_write(case)
+    case, cap = out_of_range_slot_case(T=40, H=16, block_size=block_size, index_dtype=index_dtype, seed=block_size,
+                                       make=lambda **kw: _gpu_case(op, store, **kw))  # fmt: skip
+    _run_and_check(op, case)
 
 
 # Layouts the CPU tests cover one tensor at a time, here grouped at DeepSeek-V3 sizes: on a GPU
-# Triton specializes unit strides, so a non-unit stride compiles a different kernel.
+# Triton specializes unit strides, so a non-unit stride compiles a different kernel. Names of
+# tensors another op does not take are dropped for it.
 GPU_LAYOUTS = [
-    dict(inner_stride=("positions", "slot_mapping", "q_pe", "k_pe", "kv_c", "cos_sin_cache", "ql_nope", "q_out")),
-    dict(transposed=("q_pe", "cos_sin_cache", "ql_nope", "q_out")),
-    dict(inner_stride=("kv_cache",)),
-    dict(transposed=("kv_cache", "kv_c")),
-    dict(inner_stride=("kv_cache_scale", "q_scale"), cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.37,
-         q_out_dtype=torch.float8_e4m3fn, q_scale=0.7),
-    dict(kv_c_3d=True, k_pe_3d=True),
-    dict(L=640),
-    dict(L=1024, cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.37, q_out_dtype=torch.float8_e4m3fn,
-         q_scale=0.7),
+    (dict(inner_stride=("positions", "slot_mapping", "q_pe", "k_pe", "kv_c", "cos_sin_cache", "ql_nope", "q_out",
+                        "k_nope", "k_out")), "bf16"),
+    (dict(transposed=("q_pe", "cos_sin_cache", "ql_nope", "q_out", "k_nope", "k_out")), "bf16"),
+    (dict(inner_stride=("kv_cache",)), "bf16"),
+    (dict(transposed=("kv_cache", "kv_c")), "fp8"),
+    (dict(inner_stride=("kv_cache_scale", "q_scale", "k_out")), "fp8"),
+    (dict(kv_c_3d=True, k_pe_3d=True), "bf16"),
+    (dict(L=640), "bf16"),
+    (dict(L=1024), "fp8"),
 ]  # fmt: skip
+_OTHER_OPS_TENSORS = {"rope_cache_write": ("ql_nope", "q_out", "q_scale", "k_nope", "k_out"),
+                      "decode": ("k_nope", "k_out"), "prefill": ("ql_nope", "q_out", "q_scale")}  # fmt: skip
 
 
-@pytest.mark.parametrize("decode", [False, True], ids=["rope_cache_write", "decode"])
-@pytest.mark.parametrize("layout", GPU_LAYOUTS, ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
-def test_layouts_dsv3(decode, layout):
-    layout = {**DSV3, **layout}
-    if not decode:
-        layout = {k: v for k, v in layout.items() if k not in ("q_out_dtype", "q_scale")}
-        layout = {k: v if k not in ("inner_stride", "transposed") else tuple(n for n in v if n not in
-                  ("ql_nope", "q_out", "q_scale")) for k, v in layout.items()}  # fmt: skip
-    case = make_case(T=33, H=16, decode=decode, device="cuda", seed=17, **layout)
-    if decode:
-        mla.mla_decode_rope_cache_write(*case.decode_args(), backend="triton")
-        check_decode_rope_cache_write(case)
-    else:
-        mla.mla_rope_cache_write(*case.rope_args(), backend="triton")
-        check_rope_cache_write(case)
+@pytest.mark.parametrize("op", ["rope_cache_write", "decode", "prefill"])
+@pytest.mark.parametrize("layout,store", GPU_LAYOUTS, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items())
+                         if isinstance(v, dict) else v)  # fmt: skip
+def test_layouts_dsv3(op, layout, store):
+    layout = {k: tuple(n for n in v if n not in _OTHER_OPS_TENSORS[op]) if k in ("inner_stride", "transposed") else v
+              for k, v in layout.items()}  # fmt: skip
+    _run_and_check(op, _gpu_case(op, store, T=33, H=16, seed=17, **layout))
 
 
 @pytest.mark.parametrize("dtype", FP8_DTYPES, ids=str)

@@ -163,91 +163,102 @@ def test_decode_layouts(backend, layout):
     _run_decode(case, backend)
 
 
+OPS = ("rope_cache_write", "decode", "prefill")
+_RUN = {"rope_cache_write": _run_rope, "decode": _run_decode, "prefill": _run_prefill}
+# The tensors only one op takes.
+OP_ONLY = {"ql_nope": "decode", "q_out": "decode", "q_scale": "decode", "k_nope": "prefill", "k_out": "prefill"}
+
+
+def _op_case(op: str, store: str, **kw):
+    """A case for ``op`` with bf16 outputs, or with an fp8 cache and fp8 q_out/k_out (scaled where
+    the op takes a scale: the key has none)."""
+    if store == "fp8":
+        kw = dict(cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.37, **kw)
+        if op == "decode":
+            kw.update(q_out_dtype=torch.float8_e4m3fn, q_scale=0.7)
+        if op == "prefill":
+            kw.update(k_out_dtype=torch.float8_e4m3fn)
+    return make_case(decode=op == "decode", prefill=op == "prefill", **kw)
+
+
 # (tensor, relayout) for every tensor argument: a last-dim stride of 2 at an odd offset into a
 # wider parent, or the first two dims swapped in memory (column-major cos/sin, ql_nope as a
-# per-head bmm output, a head-major q_out, a block-minor cache).
+# per-head bmm output, a head-major q_out or k_out, a block-minor cache).
 RELAYOUTS = [(name, "inner_stride") for name in LAYOUT_NAMES] + [
-    (name, "transposed") for name in ("q_pe", "k_pe", "kv_c", "cos_sin_cache", "kv_cache", "ql_nope", "q_out")
+    (name, "transposed")
+    for name in ("q_pe", "k_pe", "kv_c", "cos_sin_cache", "kv_cache", "ql_nope", "q_out", "k_nope", "k_out")
 ]
-# bf16 throughout, and fp8 cache and q_out with scales (which the scale relayouts need to matter).
-STORE_KINDS = {
-    "bf16": dict(),
-    "fp8": dict(cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.37, q_out_dtype=torch.float8_e4m3fn, q_scale=0.7),
-}
-
-
-# Only combinations that mean something: op 1 has no ql_nope/q_out/q_scale, a scale is read only
-# for fp8 outputs.
+# Only combinations that mean something: a tensor of another op's signature is not an argument, a
+# scale is read only for fp8 outputs.
 RELAYOUT_CASES = [
-    (decode, store, name, how)
-    for decode in (False, True)
-    for store in STORE_KINDS
+    (op, store, name, how)
+    for op in OPS
+    for store in ("bf16", "fp8")
     for name, how in RELAYOUTS
-    if (decode or name not in ("ql_nope", "q_out", "q_scale")) and (store == "fp8" or not name.endswith("scale"))
+    if OP_ONLY.get(name, op) == op and (store == "fp8" or not name.endswith("scale"))
 ]
 
 
 @pytest.mark.parametrize("backend", OP_BACKENDS)
-@pytest.mark.parametrize(
-    "decode,store,name,how", RELAYOUT_CASES,
-    ids=[f"{'decode' if d else 'rope_cache_write'}-{s}-{n}-{h}" for d, s, n, h in RELAYOUT_CASES],
-)  # fmt: skip
-def test_every_tensor_in_any_layout(backend, decode, store, name, how):
+@pytest.mark.parametrize("op,store,name,how", RELAYOUT_CASES, ids=["-".join(c) for c in RELAYOUT_CASES])
+def test_every_tensor_in_any_layout(backend, op, store, name, how):
     """Each tensor argument with a non-unit inner stride (or non-contiguous), one at a time:
     results as specified, and the parent's bytes around the view untouched."""
-    kw = dict(STORE_KINDS[store])
-    if not decode:
-        kw.pop("q_out_dtype", None), kw.pop("q_scale", None)
-    case = make_case(T=7, H=3, decode=decode, seed=RELAYOUTS.index((name, how)), **{how: (name,)}, **kw)
+    case = _op_case(op, store, T=7, H=3, seed=RELAYOUTS.index((name, how)), **{how: (name,)})
     t = getattr(case, name)
     assert not t.is_contiguous() or t.numel() <= 1 and t.storage_offset() == 1, f"{name} was not relaid out"
-    (_run_decode if decode else _run_rope)(case, backend)
+    _RUN[op](case, backend)
 
 
 @pytest.mark.parametrize("backend", OP_BACKENDS)
-@pytest.mark.parametrize("decode", [False, True], ids=["rope_cache_write", "decode"])
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=str)
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])
 @pytest.mark.parametrize("far", [False, True], ids=["in_guard_rows", "far_past"])
-def test_slots_past_the_cache_write_nothing(backend, decode, index_dtype, block_size, cache, far):
+def test_slots_past_the_cache_write_nothing(backend, op, index_dtype, block_size, cache, far):
     """A slot >= num_blocks * block_size is treated like a negative slot: no write, no crash, and
-    the rest of the batch (its q/k rotation, q_out, the in-range rows) unaffected."""
-    kw = STORE_KINDS[cache] if decode else {k: v for k, v in STORE_KINDS[cache].items() if not k.startswith("q_")}
-    case, cap = out_of_range_slot_case(decode=decode, block_size=block_size, index_dtype=index_dtype, far=far,
-                                       seed=block_size + index_dtype.itemsize, **kw)  # fmt: skip
-    (_run_decode if decode else _run_rope)(case, backend)  # checks the guard rows through the parent
-    rows = case.kv_cache.view(-1, case.kv_cache.shape[-1]) if case.kv_cache.is_contiguous() else None
-    if rows is not None:  # the in-range slots really were written (not left as canary)
-        before = case.originals["kv_cache"].view(rows.shape)
-        for slot in (0, 5, cap - 1):
-            assert not torch.equal(rows[slot], before[slot]), f"slot {slot} was not written"
+    the rest of the batch (its q/k rotation, q_out or k_out, the in-range rows) unaffected."""
+    case, cap = out_of_range_slot_case(
+        make=lambda **kw: _op_case(op, cache, **kw), block_size=block_size, index_dtype=index_dtype, far=far,
+        seed=block_size + index_dtype.itemsize,
+    )  # fmt: skip
+    _RUN[op](case, backend)  # checks the guard rows through the parent
+    rows = case.kv_cache.view(-1, case.kv_cache.shape[-1])
+    before = case.originals["kv_cache"].view(rows.shape)
+    for slot in (0, 5, cap - 1):  # the in-range slots really were written (not left as canary)
+        assert not torch.equal(rows[slot], before[slot]), f"slot {slot} was not written"
 
 
 @pytest.mark.parametrize("backend", OP_BACKENDS)
-@pytest.mark.parametrize("decode", [False, True], ids=["rope_cache_write", "decode"])
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=str)
-def test_addressing_past_2_to_the_31_elements(backend, decode, index_dtype):
+def test_addressing_past_2_to_the_31_elements(backend, op, index_dtype):
     """A bf16 cache of more than 2**31 elements written near its end: slot arithmetic must be
     64-bit. ~4.3 GB allocated with torch.empty, but only the touched pages become resident
-    (about 1 GB with the interpreter), so this runs on a CPU in a few seconds."""
+    (under 1 GB with the interpreter), so this runs on a CPU in a few seconds."""
     L, R, bs = 512, 64, 64
     num_blocks = (2**31 // (bs * (L + R))) + 8
     kv_cache = torch.empty(num_blocks, bs, L + R, dtype=torch.bfloat16)
     assert kv_cache.numel() > 2**31
     T, H = 4, 2
-    case = make_case(T=T, H=H, L=L, R=R, block_size=bs, pad_every=0, decode=decode, seed=5)
+    case = _op_case(op, "bf16", T=T, H=H, L=L, R=R, block_size=bs, pad_every=0, seed=5)
     last = num_blocks * bs - 1
     slots = torch.tensor([last - 3 * i for i in range(T)], dtype=index_dtype)
     flat = kv_cache.view(-1, L + R)
     canary = {r: float(i + 2) for i, r in enumerate((0, 1, last - 1, last - 2, last - 4, last - 5))}
     for r, v in canary.items():
         flat[r].fill_(v)
-    args = (case.positions, case.q_pe, case.k_pe, case.kv_c, case.cos_sin_cache, False, slots, kv_cache)
-    if decode:
-        mla.mla_decode_rope_cache_write(args[0], case.ql_nope, *args[1:], case.q_out, backend=backend)
+    c = case
+    if op == "decode":
+        mla.mla_decode_rope_cache_write(c.positions, c.ql_nope, c.q_pe, c.k_pe, c.kv_c, c.cos_sin_cache, False, slots,
+                                        kv_cache, c.q_out, backend=backend)  # fmt: skip
+    elif op == "prefill":
+        mla.mla_prefill_rope_cache_write(c.positions, c.q_pe, c.k_pe, c.kv_c, c.k_nope, c.cos_sin_cache, False, slots,
+                                         kv_cache, c.k_out, backend=backend)  # fmt: skip
     else:
-        mla.mla_rope_cache_write(*args, backend=backend)
+        mla.mla_rope_cache_write(c.positions, c.q_pe, c.k_pe, c.kv_c, c.cos_sin_cache, False, slots, kv_cache,
+                                 backend=backend)  # fmt: skip
     rows = flat[slots.long()]
     assert torch.equal(rows[:, :L], case.kv_c), "rows near the end of the cache hold kv_c"
     for r, v in canary.items():  # neighbours, and the start a wrapped 32-bit index would hit

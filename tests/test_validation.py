@@ -12,18 +12,31 @@ from vllm_mla_fusion import fp8, validation
 
 from .conftest import OP_BACKENDS
 from .mla_cases import make_case, out_of_range_slot_case
-from .mla_reference import check_decode_rope_cache_write, check_rope_cache_write
+from .mla_reference import check_decode_rope_cache_write, check_prefill_rope_cache_write, check_rope_cache_write
 
 ENTRY_POINTS = ["public", "custom_op"]
 
 
-def _call(case, entry, backend, decode):
-    if decode:
+OPS = ("rope_cache_write", "decode", "prefill")
+
+
+def _case(op, **kw):
+    return make_case(decode=op == "decode", prefill=op == "prefill", **kw)
+
+
+def _call(case, entry, backend, op):
+    if op == "decode":
         args = case.decode_args()
         if entry == "public":
             mla.mla_decode_rope_cache_write(*args, is_nope_first=case.is_nope_first, backend=backend)
         else:
             torch.ops.mla_fusion.mla_decode_rope_cache_write(*args, case.is_nope_first, backend or "auto")
+    elif op == "prefill":
+        args = case.prefill_args()
+        if entry == "public":
+            mla.mla_prefill_rope_cache_write(*args, backend=backend)
+        else:
+            torch.ops.mla_fusion.mla_prefill_rope_cache_write(*args, backend or "auto")
     else:
         args = case.rope_args()
         if entry == "public":
@@ -32,7 +45,7 @@ def _call(case, entry, backend, decode):
             torch.ops.mla_fusion.mla_rope_cache_write(*args, backend or "auto")
 
 
-WRITABLE = ("q_pe", "k_pe", "kv_cache", "q_out")
+WRITABLE = ("q_pe", "k_pe", "kv_cache", "q_out", "k_out")
 
 
 def _live(case):
@@ -62,6 +75,8 @@ def _h_zero(c):
     c.q_pe = c.q_pe[:, :0]
     if c.q_out is not None:
         c.ql_nope, c.q_out = c.ql_nope[:, :0], c.q_out[:, :0]
+    if c.k_out is not None:
+        c.k_nope, c.k_out = c.k_nope[:, :0], c.k_out[:, :0]
 
 
 def _l_zero(c):
@@ -173,25 +188,30 @@ PUBLIC_ONLY_DECODE_BAD = [
     ("is_nope_first int", lambda c: setattr(c, "is_nope_first", 0), TypeError, "is_nope_first must be a bool"),
 ]
 
-OP_CASES = (
-    [(False, entry, *bad) for bad in COMMON_BAD for entry in ENTRY_POINTS]
-    + [(True, entry, *bad) for bad in COMMON_BAD + DECODE_BAD for entry in ENTRY_POINTS]
-    + [(False, "public", *bad) for bad in PUBLIC_ONLY_BAD]
-    + [(True, "public", *bad) for bad in PUBLIC_ONLY_BAD + PUBLIC_ONLY_DECODE_BAD]
-)
+PUBLIC_ONLY_PREFILL_BAD = [
+    ("k_nope list", _set("k_nope", torch.Tensor.tolist), TypeError, "k_nope must be a torch.Tensor"),
+    ("k_out list", _set("k_out", torch.Tensor.tolist), TypeError, "k_out must be a torch.Tensor"),
+]
+OP_ONLY_BAD = {"rope_cache_write": [], "decode": DECODE_BAD, "prefill": []}  # op 3's own: PREFILL_BAD below
+OP_ONLY_PUBLIC_BAD = {"rope_cache_write": [], "decode": PUBLIC_ONLY_DECODE_BAD, "prefill": PUBLIC_ONLY_PREFILL_BAD}
+OP_CASES = [
+    (op, entry, *bad)
+    for op in OPS
+    for entry in ENTRY_POINTS
+    for bad in COMMON_BAD + OP_ONLY_BAD[op] + (PUBLIC_ONLY_BAD + OP_ONLY_PUBLIC_BAD[op] if entry == "public" else [])
+]
 
 
 @pytest.mark.parametrize("backend", OP_BACKENDS)
 @pytest.mark.parametrize(
-    "decode,entry,what,mutate,exc,words", OP_CASES,
-    ids=[f"{'decode' if c[0] else 'rope_cache_write'}-{c[1]}-{c[2]}" for c in OP_CASES],
+    "op,entry,what,mutate,exc,words", OP_CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in OP_CASES]
 )  # fmt: skip
-def test_rejects_bad_input_before_writing(backend, decode, entry, what, mutate, exc, words):
-    case = make_case(T=6, H=2, decode=decode, seed=1)
+def test_rejects_bad_input_before_writing(backend, op, entry, what, mutate, exc, words):
+    case = _case(op, T=6, H=2, seed=1)
     live = _live(case)
     mutate(case)
     with pytest.raises(exc, match=re.escape(words)):
-        _call(case, entry, backend, decode)
+        _call(case, entry, backend, op)
     _unchanged(case, live)
 
 
@@ -234,11 +254,8 @@ def test_fake_tensor_validation_matches_eager():
             torch.ops.mla_fusion.mla_rope_cache_write(*fake)
 
 
-DECODE_IDS = ["rope_cache_write", "decode"]
-
-
 @pytest.mark.parametrize("backend", OP_BACKENDS)
-@pytest.mark.parametrize("decode", [False, True], ids=DECODE_IDS)
+@pytest.mark.parametrize("op", OPS)
 class TestDebugMode:
     """VLLM_MLA_FUSION_DEBUG=1 checks index values on the host and refuses bad ones before any write."""
 
@@ -246,32 +263,34 @@ class TestDebugMode:
     def _debug(self, monkeypatch):
         monkeypatch.setenv("VLLM_MLA_FUSION_DEBUG", "1")
 
-    def test_position_out_of_range(self, backend, decode):
-        case = make_case(T=4, H=2, positions="out_of_range", decode=decode)
+    def test_position_out_of_range(self, backend, op):
+        case = _case(op, T=4, H=2, positions="out_of_range")
         with pytest.raises(ValueError, match="positions"):
-            _call(case, "public", backend, decode)
+            _call(case, "public", backend, op)
         _unchanged(case)
 
     @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=str)
-    def test_slots_past_the_cache(self, backend, decode, index_dtype):
-        case, cap = out_of_range_slot_case(block_size=16, index_dtype=index_dtype, decode=decode, seed=3)
+    def test_slots_past_the_cache(self, backend, op, index_dtype):
+        case, cap = out_of_range_slot_case(block_size=16, index_dtype=index_dtype, seed=3,
+                                           make=lambda **kw: _case(op, **kw))  # fmt: skip
         with pytest.raises(ValueError, match=rf"slot_mapping\[1\]={cap} is past the cache's {cap} slots"):
-            _call(case, "public", backend, decode)
+            _call(case, "public", backend, op)
         _unchanged(case)
         guard = case.parents["kv_cache"]  # the cache and the canary rows after it
         assert torch.equal(guard.view(torch.uint8), case.originals["parent:kv_cache"].view(torch.uint8))
 
-    def test_duplicate_slot(self, backend, decode):
-        case = make_case(T=4, H=2, pad_every=0, decode=decode)
+    def test_duplicate_slot(self, backend, op):
+        case = _case(op, T=4, H=2, pad_every=0)
         case.slot_mapping[2] = case.slot_mapping[0]
         with pytest.raises(ValueError, match="same slot"):
-            _call(case, "public", backend, decode)
+            _call(case, "public", backend, op)
         _unchanged(case)
 
-    def test_valid_input_passes(self, backend, decode):
-        case = make_case(T=6, H=2, positions="edges", decode=decode)
-        _call(case, "public", backend, decode)
-        (check_decode_rope_cache_write if decode else check_rope_cache_write)(case)
+    def test_valid_input_passes(self, backend, op):
+        case = _case(op, T=6, H=2, positions="edges")
+        _call(case, "public", backend, op)
+        {"rope_cache_write": check_rope_cache_write, "decode": check_decode_rope_cache_write,
+         "prefill": check_prefill_rope_cache_write}[op](case)  # fmt: skip
 
 
 PREFILL_BAD = [

@@ -224,7 +224,7 @@ def test_setup_failure_on_another_rank_is_logged_there(vllm_cpu, plugin_off, as_
     assert all(attn.mla_attn.fusion_mode is None for attn in layers)
     warnings = [r for r in caplog.records if marker in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
-    assert "rank 3 (local rank 3)" in warnings[0].getMessage()
+    assert "(rank 3, local rank 3)" in warnings[0].getMessage()
 
 
 def test_every_rank_logs_its_backend_and_mode(vllm_cpu, plugin_on, as_rank_3, caplog):
@@ -234,7 +234,7 @@ def test_every_rank_logs_its_backend_and_mode(vllm_cpu, plugin_on, as_rank_3, ca
         for _ in range(2):
             assert vllm_cpu.build_attention().mla_attn.fusion_mode == "decode"
     lines = [r.getMessage() for r in caplog.records if "use the fused RoPE" in r.getMessage()]
-    assert lines == ["vllm-mla-fusion (rank 3 (local rank 3)): MLA layers use the fused RoPE + KV-cache write "
+    assert lines == ["vllm-mla-fusion (rank 3, local rank 3): MLA layers use the fused RoPE + KV-cache write "
                      "(backend torch, mode decode)"], lines  # fmt: skip
 def test_decode_pair_backends_are_recognised_by_name_and_subclass():
     """FLASH_ATTN_MLA and CUTLASS_MLA (and subclasses, e.g. XPU's) take (ql_nope, q_pe) as it is: op 1

@@ -57,12 +57,12 @@ VLLM_ATTENTION_OP = "vllm::unified_mla_attention_with_output"
 
 
 def rank_label() -> str:
-    """``"rank 3 (local rank 3)"`` for this process in vLLM's world group, else ``"single process"``."""
+    """``"rank 3, local rank 3"`` for this process in vLLM's world group, else ``"single process"``."""
     try:
         from vllm.distributed.parallel_state import get_world_group
 
         world = get_world_group()
-        return f"rank {world.rank} (local rank {world.local_rank})"
+        return f"rank {world.rank}, local rank {world.local_rank}"
     except Exception:  # noqa: BLE001 - no world group yet (or another vLLM layout): fall back to torch
         pass
     if torch.distributed.is_available() and torch.distributed.is_initialized():
