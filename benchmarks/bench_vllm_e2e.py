@@ -1,0 +1,886 @@
+#!/usr/bin/env python3
+"""End to end inside vLLM: DeepSeek-V3 (61 MLA layers, TP8-rank shapes) served with the plugin on and off.
+
+What a vLLM user runs, on one GPU: ``vllm.LLM`` with its serving defaults
+(multiprocessing engine core, async scheduling, torch.compile + CUDA graphs, the
+attention backend vLLM picks), dummy weights, a bf16 or fp8 KV cache. Engines
+alternate plugin on / off (``--runs`` per side), each a fresh engine-core process;
+per engine:
+
+1. first request: B=1, 64-token prompt, 1 output token, right after start-up, then
+   the same shape 3 more times (the first-call cost), with Triton JIT compilations
+   recorded from the end of vLLM's warm-up on;
+2. timing pass 0: for each batch B, B requests x 1 token and B requests x N tokens
+   (``ignore_eos``), TPOT = (t_N - t_1) / (N - 1), the wall time of a decode step,
+   throughput = B*N / t_N; for each prompt length L, one request of L tokens x 1
+   token, TTFT (each shape runs once untimed first);
+3. GPU time: one torch-profiler session (vLLM's ``profiler_config``) over B requests x
+   (1 + K) tokens for each B and one prefill per L; every engine step's kernels
+   (benchmarks/vllm_trace.py); per decode step of batch B: the sum of kernel durations
+   and the busy time (union of GPU intervals), median over the steps;
+4. timing passes 1 .. ``--repeats``-1, as far as the deadline allows.
+
+The deadline (``--deadline-s``) is kept by pairs: an "on" engine starts only if its
+"off" partner still fits, and leaves it the time; an engine short of time skips
+timing passes, never the first pass or (unless very late) the profile.
+
+Prompts are random token ids, new for every request, so vLLM's prefix cache (on, as
+in serving) never hits. The predicted saving per decode step is 61 x (unfused chain -
+ours) per layer from the kernel benchmark (benchmarks/results/bench_mla_rope_cache.json,
+section decode-layer, H=16, block size 64, the cache dtype's rows).
+
+Usage::
+
+    python benchmarks/bench_vllm_e2e.py --out $OUT --tag part1 --kv-cache-dtypes auto --runs 2 --deadline-s 510
+    python benchmarks/bench_vllm_e2e.py --out $OUT --tag part2 --kv-cache-dtypes fp8 --runs 2 --extra-pairs auto
+    python benchmarks/bench_vllm_e2e.py --smoke --out /tmp/e2e      # CPU: same code paths, numbers meaningless
+
+Writes ``bench_vllm_e2e_<tag>.json`` (rewritten after every section), ``.md`` and ``.png``.
+The driver never initialises CUDA, so vLLM can fork the engine core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+for _p in (str(BENCH_DIR), str(REPO)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+# Read by vLLM lazily, so set before it is imported: callables sent to the engine process
+# (apply_model / collective_rpc) need pickling; no usage reporting; local model dir.
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if os.environ.get("VLLM_MLA_FUSION_E2E_CPU_STANDINS") == "1":
+    # Smoke run: vLLM's CPU platform spawns the engine core and its worker, which import this
+    # file as their main module; the plain-torch stand-ins for the kernels the CUDA wheel lacks
+    # must be registered there too.
+    from tests.vllm_plugin import harness as _harness
+
+    _harness.install_cpu_stand_ins(
+        ("mla_decode_kvcache", "init_cpu_memory_env", "compute_slot_mapping_kernel_impl", "greedy_argmax")
+    )
+
+NUM_LAYERS = 61
+# DeepSeek-V3 with the shapes of one tensor-parallel rank at TP8: 128/8 = 16 heads, the
+# dense MLP's 18432/8 = 2304 intermediate in every layer (no MoE, to fit one GPU), full
+# hidden size and vocabulary, DeepSeek-V3's YaRN rope.
+DSV3_TP8_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_size": 7168,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "num_hidden_layers": NUM_LAYERS,
+    "intermediate_size": 2304,
+    "moe_intermediate_size": 256,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": NUM_LAYERS,
+    "moe_layer_freq": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "vocab_size": 129280,
+    "max_position_embeddings": 163840,
+    "rope_theta": 10000,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+}
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PREFILL_LENS = (1024, 4096, 16384)
+KERNEL_BENCH_JSON = BENCH_DIR / "results" / "bench_mla_rope_cache.json"
+# For the deadline (seconds), until measured: a cold engine start (compile + capture of 61
+# layers), a warm one (vLLM loads the AOT artifact its side compiled before), the least
+# measuring worth starting an engine for, the profiling session, teardown.
+DEFAULT_COLD_START_S = 150.0
+WARM_START_S = 50.0
+MIN_MEASURE_S = 45.0
+PROFILE_RESERVE_S = 25.0
+TEARDOWN_S = 15.0
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def med(xs):
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return statistics.median(xs) if xs else None
+
+
+def spread(xs):
+    xs = [x for x in xs if x is not None]
+    return (min(xs), max(xs)) if xs else (None, None)
+
+
+# ---------------------------------------------------------------------------
+# prediction from the kernel benchmark
+
+
+def load_prediction(path: Path, batches) -> dict:
+    """Per cache dtype ('bf16', 'fp8') and batch: the decode-layer figures used and 61 x their difference."""
+    out = {"source": str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path), "rows": {}}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+        return out
+    rows = [r for r in data.get("results", []) if r.get("section") == "decode-layer" and r.get("H") == 16
+            and r.get("block_size") == 64 and r.get("status") == "ok"]  # fmt: skip
+    out["kernel_bench_environment"] = {k: data.get("environment", {}).get(k) for k in ("date_utc", "torch", "triton")}
+    for cache in ("bf16", "fp8"):
+        table = {}
+        for b in batches:
+            u = next((r["us"] for r in rows if r["cache"] == cache and r["T"] == b and r["impl"] == "unfused"), None)
+            o = next((r["us"] for r in rows if r["cache"] == cache and r["T"] == b and r["impl"] == "triton"), None)
+            if u is not None and o is not None:
+                table[str(b)] = {"unfused_us_per_layer": u, "ours_us_per_layer": o,
+                                 "saving_us_per_step": NUM_LAYERS * (u - o)}  # fmt: skip
+        out["rows"][cache] = table
+    return out
+
+
+# ---------------------------------------------------------------------------
+# one engine
+
+
+class Prompts:
+    """Fresh random prompts: vLLM's prefix cache never hits, whatever was sent before."""
+
+    def __init__(self, vocab: int, seed: int):
+        self.rng = random.Random(seed)
+        self.vocab = vocab
+
+    def take(self, n: int, length: int) -> list[dict]:
+        return [{"prompt_token_ids": [self.rng.randrange(1, self.vocab) for _ in range(length)]} for _ in range(n)]
+
+
+def sampling(max_tokens: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+
+
+def timed(llm, prompts, max_tokens: int) -> float:
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sampling(max_tokens), use_tqdm=False)
+    dt = time.perf_counter() - t
+    got = {len(o.outputs[0].token_ids) for o in outs}
+    if got != {max_tokens}:
+        raise RuntimeError(f"asked for {max_tokens} tokens per request, got {sorted(got)}")
+    return dt
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.t0 = time.monotonic()
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.work = Path(args.work_dir or (self.out / f"e2e_work_{args.tag}"))
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.json_path = self.out / f"bench_vllm_e2e_{args.tag}.json"
+        self.model_dir = self.write_model()
+        self.report: dict = {
+            "environment": environment(args),
+            "config": self.config_json(),
+            "prediction": load_prediction(Path(args.kernel_bench_json), args.decode_batches),
+            "engines": [],
+            "skipped": [],
+        }
+        self.starts: dict = {}
+        self.cores: dict = {}
+        # GPU memory in use before any engine (nvidia-smi): an engine's memory counts as released
+        # once usage is back near it (the next engine's start checks free >= 90% of the GPU).
+        import vllm_engine as E
+
+        self.gpu_baseline_mib = None if args.smoke else E.wait_gpu_memory_released(float("inf"), timeout_s=0)
+        self.report["environment"]["gpu_used_mib_before"] = self.gpu_baseline_mib
+        self.min_measure_s = 5.0 if args.smoke else MIN_MEASURE_S
+
+    # -- set-up ---------------------------------------------------------------------
+
+    def write_model(self) -> str:
+        cfg = dict(DSV3_TP8_CONFIG)
+        if self.args.smoke:
+            from tests.vllm_plugin import harness
+
+            cfg = dict(harness.DSV3_CONFIG, max_position_embeddings=4096)
+        d = self.work / "model"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text(json.dumps(cfg, indent=1))
+        self.vocab = cfg["vocab_size"]
+        self.num_layers = cfg["num_hidden_layers"]
+        return str(d)
+
+    def config_json(self) -> dict:
+        a = self.args
+        return {
+            "mode": "smoke" if a.smoke else "full",
+            "model": "DeepSeek-V3 TP8-rank shapes (tiny harness model in smoke mode)",
+            "model_config": json.loads((Path(self.model_dir) / "config.json").read_text()),
+            "kv_cache_dtypes": a.kv_cache_dtypes,
+            "runs_per_side": a.runs,
+            "extra_pairs": a.extra_pairs,
+            "on_mode": a.on_mode,
+            "decode_batches": a.decode_batches,
+            "prefill_lens": a.prefill_lens,
+            "decode_tokens": a.decode_tokens,
+            "prompt_len": a.prompt_len,
+            "repeats": a.repeats,
+            "profile_decode_steps": a.profile_decode_steps,
+            "deadline_s": a.deadline_s,
+            "attention_backend": a.attention_backend or "vLLM's choice",
+            "engine": "vllm.LLM, multiprocessing engine core (VLLM_ENABLE_V1_MULTIPROCESSING="
+            + os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1 (default)") + ")",
+        }
+
+    def llm_kwargs(self, kv: str, prof_dir: Path) -> dict:
+        import vllm_engine as E
+
+        a = self.args
+        max_len = max(max(a.prefill_lens), a.prompt_len + a.decode_tokens + a.profile_decode_steps) + 256
+        kw = dict(
+            model=self.model_dir, load_format="dummy", skip_tokenizer_init=True, seed=0, kv_cache_dtype=kv,
+            max_model_len=max_len, max_num_batched_tokens=max(max(a.prefill_lens), max(a.decode_batches)),
+            max_num_seqs=max(a.decode_batches), profiler_config=E.profiler_config(str(prof_dir)),
+        )  # fmt: skip
+        if a.attention_backend:
+            kw["attention_backend"] = a.attention_backend
+        if a.smoke:
+            kw.update(dtype="bfloat16", attention_backend="CPU_MLA", kv_cache_memory_bytes=256 << 20, enforce_eager=True)
+        else:
+            kw.update(dtype="bfloat16", compilation_config={"cudagraph_capture_sizes": sorted(a.decode_batches)})
+        return kw
+
+    def save(self) -> None:
+        self.report["summary"] = summarize(self.report, self.args)
+        self.report["elapsed_s"] = time.monotonic() - self.t0
+        tmp = self.json_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.report, indent=1, default=str))
+        tmp.replace(self.json_path)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    # -- the plan -------------------------------------------------------------------
+
+    def plan(self) -> list[tuple[str, str]]:
+        sides = ("on", "off")
+        out = []
+        for kv in self.args.kv_cache_dtypes:
+            for _ in range(self.args.runs):
+                out += [(kv, s) for s in sides]
+        return out
+
+    def start_estimate(self, kv: str, side: str) -> float:
+        """Expected start-up seconds of the next engine of (kv, side)."""
+        seen = self.starts.get((kv, side))
+        if seen is not None:
+            return min(seen, WARM_START_S)  # same side again: vLLM loads its AOT-compiled artifact
+        same_kv = [v for (k, _), v in self.starts.items() if k == kv]
+        if same_kv:
+            return max(same_kv) * 1.2  # the other side compiles its own graph: a cold start
+        return DEFAULT_COLD_START_S
+
+    def engine_need(self, kv: str, side: str) -> float:
+        """The least an engine needs to be worth starting: start, first request + one timing pass +
+        profile (as measured on engines of this cache dtype, else a guess), teardown."""
+        core = [c for (k, _), c in self.cores.items() if k == kv]
+        return self.start_estimate(kv, side) + (max(core) if core else self.min_measure_s) + TEARDOWN_S
+
+    def run(self) -> int:
+        import vllm_engine as E
+
+        a = self.args
+        eps = E.entry_points()
+        self.report["environment"]["entry_points"] = eps
+        if eps.get(E.ENTRY_POINT[0]) != E.ENTRY_POINT[1]:
+            log(f"error: the plugin's entry point is not installed ({eps}); vLLM would never load it")
+            self.save()
+            return 2
+        t = time.perf_counter()
+        import vllm
+
+        self.report["environment"]["vllm"] = vllm.__version__
+        self.report["environment"]["import_vllm_s"] = time.perf_counter() - t
+        self.report["environment"]["loaded_by_vllm"] = E.load_plugins_through_vllm()
+        queue = self.plan()
+        idx = 0
+        extra = False
+        while True:
+            if not queue:
+                if not a.extra_pairs:
+                    break
+                queue, extra = [(a.extra_pairs, "on"), (a.extra_pairs, "off")], True
+            kv, side = queue[0]
+            # Engines run in on/off pairs: an "on" engine starts only if its "off" partner fits
+            # too, and stops measuring early enough to leave that partner its time.
+            partner = self.engine_need(kv, "off") if side == "on" else 0.0
+            need = self.engine_need(kv, side) + partner
+            if self.elapsed() + need > a.deadline_s:
+                self.report["skipped"] += [{"kv_cache_dtype": k, "side": s, "optional": extra,
+                                            "reason": f"deadline: {self.elapsed():.0f} s elapsed, ~{need:.0f} s needed, "
+                                            f"{a.deadline_s:.0f} s allowed"} for k, s in queue]  # fmt: skip
+                log(f"deadline: not starting {len(queue)} more engine(s)")
+                break
+            queue.pop(0)
+            rec = self.run_engine(idx, kv, side, engine_deadline=a.deadline_s - partner)
+            if "start_s" in rec:
+                self.starts[(kv, side)] = rec["start_s"]
+            if "core_s" in rec:
+                self.cores[(kv, side)] = rec["core_s"]
+            idx += 1
+            self.report["engines"].append(rec)
+            self.save()
+        import torch
+
+        # The driver must never have touched CUDA (fork-safety for vLLM's engine core).
+        self.report["environment"]["driver_cuda_initialized"] = torch.cuda.is_initialized()
+        self.save()
+        write_markdown(self.report, self.out / f"bench_vllm_e2e_{a.tag}.md")
+        if not a.no_plot:
+            plot(self.report, self.out / f"bench_vllm_e2e_{a.tag}.png")
+        print_summary(self.report)
+        return 0 if all("error" not in e for e in self.report["engines"]) else 1
+
+    # -- one engine -----------------------------------------------------------------
+
+    def run_engine(self, idx: int, kv: str, side: str, engine_deadline: float) -> dict:
+        """Start one engine, measure, tear down. Sections, in order: first request; one timing pass
+        over every decode batch and prefill length; the profiling session; further timing passes
+        while ``engine_deadline`` (seconds since the benchmark started) allows."""
+        import vllm_engine as E
+        from vllm import LLM
+
+        a = self.args
+        on = side == "on"
+        rec: dict = {"index": idx, "kv_cache_dtype": kv, "side": side, "on_mode": a.on_mode if on else None}
+        # One compile cache per side: vLLM's AOT-compile key covers the config, not the traced
+        # source files, so an artifact compiled with the plugin could otherwise serve an engine
+        # without it (vllm/compilation/decorators.py). Same-side engines reuse their cache, as a
+        # restarted server would.
+        os.environ["VLLM_CACHE_ROOT"] = str(self.work / f"vllm-cache-{kv}-{side}")
+        rec["registered"] = E.set_plugin(on, decode=(a.on_mode == "decode"))
+        prof_dir = self.work / f"prof-{idx}"
+        kwargs = self.llm_kwargs(kv, prof_dir)
+        prompts = Prompts(self.vocab, seed=1000 + idx)
+        log(f"engine {idx}: kv {kv}, plugin {side}: starting")
+        t = time.perf_counter()
+        try:
+            llm = LLM(**kwargs)
+        except Exception as e:  # noqa: BLE001 - record, go on with the next engine
+            rec["error"] = f"start: {type(e).__name__}: {e}"
+            rec["traceback"] = traceback.format_exc()[-6000:]
+            log(f"engine {idx}: failed to start: {rec['error']}")
+            return rec
+        rec["start_s"] = time.perf_counter() - t
+        log(f"engine {idx}: up in {rec['start_s']:.1f} s")
+        try:
+            rec["facts"] = {**llm.apply_model(E.mla_facts)[0], **llm.collective_rpc(E.runner_facts)[0]}
+            modes = {layer["fusion_mode"] for layer in rec["facts"]["layers"]}
+            want = {a.on_mode} if on else {None}
+            if modes != want or len(rec["facts"]["layers"]) != self.num_layers:
+                raise RuntimeError(f"plugin {side}: the engine built MLA layers in modes {modes}, expected {want}")
+            rec["jit_hook"] = llm.collective_rpc(E.install_jit_hook)[0]
+            marks = {}
+
+            def mark(name):
+                marks[name] = time.perf_counter()
+
+            mark("first_request")
+            rec["first_request"] = self.first_request(llm, prompts)
+            rec["decode"], rec["prefill"] = {}, {}
+            mark("timing pass 0")
+            t = time.monotonic()
+            self.timing_pass(llm, prompts, rec, 0)
+            pass_s = time.monotonic() - t
+            self.save_partial(rec)
+            mark("profile")
+            if self.elapsed() + PROFILE_RESERVE_S < engine_deadline:
+                rec["profile"] = self.profile(llm, prompts, prof_dir, idx)
+            else:
+                rec["profile"] = {"skipped": "deadline"}
+            rec["core_s"] = time.perf_counter() - marks["first_request"]
+            self.save_partial(rec)
+            for r in range(1, a.repeats):
+                if self.elapsed() + pass_s + TEARDOWN_S > engine_deadline:
+                    rec["timing_passes_skipped"] = f"{a.repeats - r} of {a.repeats} (deadline)"
+                    break
+                mark(f"timing pass {r}")
+                self.timing_pass(llm, prompts, rec, r)
+            self.finish_timing(rec)
+            mark("end")
+            jit = llm.collective_rpc(E.read_jit_log)[0]
+            rec["jit_after_warmup"] = attribute_jit(jit, marks)
+        except Exception as e:  # noqa: BLE001
+            rec["error"] = f"{type(e).__name__}: {e}"
+            rec["traceback"] = traceback.format_exc()[-6000:]
+            log(f"engine {idx}: {rec['error']}")
+        finally:
+            rec["shutdown_s"] = E.shutdown(llm)
+            del llm
+            if self.gpu_baseline_mib is not None:
+                rec["gpu_used_mib_after"] = E.wait_gpu_memory_released(self.gpu_baseline_mib + 2048.0, timeout_s=90.0)
+        return rec
+
+    def save_partial(self, rec: dict) -> None:
+        self.report["engines_in_progress"] = [rec]
+        self.save()
+        self.report.pop("engines_in_progress", None)
+
+    def first_request(self, llm, prompts: Prompts) -> dict:
+        a = self.args
+        first = timed(llm, prompts.take(1, a.prompt_len), 1)
+        rest = [timed(llm, prompts.take(1, a.prompt_len), 1) for _ in range(3)]
+        log(f"  first request {1e3 * first:.1f} ms, then {', '.join(f'{1e3 * x:.1f}' for x in rest)} ms")
+        return {"first_s": first, "next_s": rest, "excess_ms": 1e3 * (first - statistics.median(rest))}
+
+    def timing_pass(self, llm, prompts: Prompts, rec: dict, r: int) -> None:
+        """One repeat over every decode batch (t_1, t_N) and prefill length (TTFT); pass 0 first
+        runs each shape once untimed (first use of a shape)."""
+        a = self.args
+        n = a.decode_tokens
+        for b in a.decode_batches:
+            if r == 0:
+                timed(llm, prompts.take(b, a.prompt_len), 4)
+            d = rec["decode"].setdefault(str(b), {"t1_s": [], "tN_s": []})
+            d["t1_s"].append(timed(llm, prompts.take(b, a.prompt_len), 1))
+            d["tN_s"].append(timed(llm, prompts.take(b, a.prompt_len), n))
+            tpot = 1e3 * (d["tN_s"][-1] - d["t1_s"][-1]) / (n - 1)
+            log(f"  pass {r} decode B={b:4d}: TPOT {tpot:.3f} ms")
+        for length in a.prefill_lens:
+            if r == 0:
+                timed(llm, prompts.take(1, length), 1)
+            p = rec["prefill"].setdefault(str(length), {"ttft_s": []})
+            p["ttft_s"].append(timed(llm, prompts.take(1, length), 1))
+            log(f"  pass {r} prefill L={length:5d}: TTFT {1e3 * p['ttft_s'][-1]:.2f} ms")
+        self.finish_timing(rec)
+
+    def finish_timing(self, rec: dict) -> None:
+        n = self.args.decode_tokens
+        for b, d in rec["decode"].items():
+            tpot = [(y - x) / (n - 1) for x, y in zip(d["t1_s"], d["tN_s"])]
+            d.update(tpot_ms=[1e3 * x for x in tpot], tpot_ms_median=1e3 * med(tpot),
+                     throughput_tok_s=int(b) * n / med(d["tN_s"]), decode_tok_s=int(b) / med(tpot))  # fmt: skip
+        for p in rec["prefill"].values():
+            p["ttft_ms_median"] = 1e3 * med(p["ttft_s"])
+
+    def profile(self, llm, prompts: Prompts, prof_dir: Path, idx: int) -> dict:
+        import vllm_engine as E
+        import vllm_trace as T
+
+        a = self.args
+        k = a.profile_decode_steps
+
+        def work():
+            for b in a.decode_batches:
+                llm.generate(prompts.take(b, a.prompt_len), sampling(1 + k), use_tqdm=False)
+            for length in a.prefill_lens:
+                llm.generate(prompts.take(1, length), sampling(1), use_tqdm=False)
+            # A step after the last measured one closes its launch window (vllm_trace.py).
+            llm.generate(prompts.take(1, 4), sampling(2), use_tqdm=False)
+
+        t = time.perf_counter()
+        path = E.profile(llm, str(prof_dir), f"e2e{idx}", work)
+        t_export = time.perf_counter() - t
+        t = time.perf_counter()
+        trace = T.load(path)
+        steps = [s for s in T.parse_steps(trace, E.CENSUS_CPU_OPS) if s.closed]
+        out = {"trace": os.path.basename(path), "trace_bytes": os.path.getsize(path), "session_s": t_export,
+               "unattributed_gpu_events": T.unattributed_gpu_events(trace, steps), "decode": {}, "prefill": {}}  # fmt: skip
+        del trace
+        for b in a.decode_batches:
+            sel = [s for s in steps if s.kind == "decode" and s.gen_reqs == b]
+            out["decode"][str(b)] = step_stats(sel, T)
+        for length in a.prefill_lens:
+            sel = [s for s in steps if s.kind == "prefill" and s.ctx_tokens == length and s.ctx_reqs == 1]
+            out["prefill"][str(length)] = step_stats(sel, T)
+        out["parse_s"] = time.perf_counter() - t
+        d1 = out["decode"].get(str(a.decode_batches[0]), {})
+        log(f"  profile: {out['trace_bytes'] / 2**20:.1f} MiB trace in {t_export:.1f} s, parsed in {out['parse_s']:.1f} s; "
+            f"B={a.decode_batches[0]} GPU busy {d1.get('busy_us_median')} us/step over {d1.get('steps')} steps")  # fmt: skip
+        return out
+
+
+def step_stats(steps, T) -> dict:
+    """GPU time per step (median, min, max of sum and busy), our kernel's launches, the kernel table."""
+    if not steps:
+        return {"steps": 0}
+    g = [s.gpu_time_us() for s in steps]
+    return {
+        "steps": len(steps),
+        "sum_us": [x["sum"] for x in g],
+        "busy_us": [x["busy"] for x in g],
+        "sum_us_median": med([x["sum"] for x in g]),
+        "busy_us_median": med([x["busy"] for x in g]),
+        "kernels_per_step": med([x["kernels"] for x in g]),
+        "graph_launches": sum(s.summary()["graph_launches"] for s in steps),
+        "fused_kernels_per_step": med([s.count_matching(T.FUSED_KERNEL) for s in steps]),
+        # The fused ops' CPU events: only steps that run eagerly record them (not FULL graph replays).
+        "fused_ops_per_step": med([sum(v for k, v in s.cpu_ops.items() if k.startswith("mla_fusion::")) for s in steps]),
+        "kernel_table": T.per_step_kernel_table(steps),
+    }
+
+
+def attribute_jit(entries: list, marks: dict) -> list:
+    """Each compilation with the benchmark phase it happened in (by host clock)."""
+    order = sorted(marks.items(), key=lambda kv: kv[1])
+    out = []
+    for e in entries:
+        phase = "before first request"
+        for name, t in order:
+            if e["t"] >= t:
+                phase = name
+        out.append({**{k: v for k, v in e.items() if k != "t"}, "phase": phase})
+    return out
+
+
+# ---------------------------------------------------------------------------
+# summary, tables, plot
+
+
+def _by_side(report, kv):
+    ok = [e for e in report["engines"] if e["kv_cache_dtype"] == kv and "error" not in e]
+    return [e for e in ok if e["side"] == "on"], [e for e in ok if e["side"] == "off"]
+
+
+def _vals(engines, getter) -> list:
+    out = []
+    for e in engines:
+        try:
+            v = getter(e)
+        except (KeyError, TypeError):
+            v = None
+        if v is not None:
+            out.append(v)
+    return out
+
+
+def _pair(on, off, getter) -> dict:
+    von, voff = _vals(on, getter), _vals(off, getter)
+    return {"on": med(von), "off": med(voff), "on_range": spread(von), "off_range": spread(voff)}
+
+
+def summarize(report, args) -> dict:
+    out = {}
+    pred = report.get("prediction", {}).get("rows", {})
+    for kv in args.kv_cache_dtypes + ([args.extra_pairs] if args.extra_pairs else []):
+        if kv in out:
+            continue
+        on, off = _by_side(report, kv)
+        if not on and not off:
+            continue
+        cache = "bf16" if kv == "auto" else "fp8"
+        rows = {}
+        for b in args.decode_batches:
+            k = str(b)
+            r = {
+                "engines_on": len(on),
+                "engines_off": len(off),
+                "busy_us": _pair(on, off, lambda e: e["profile"]["decode"][k]["busy_us_median"]),
+                "sum_us": _pair(on, off, lambda e: e["profile"]["decode"][k]["sum_us_median"]),
+                "tpot_ms": _pair(on, off, lambda e: e["decode"][k]["tpot_ms_median"]),
+                "throughput_tok_s": _pair(on, off, lambda e: e["decode"][k]["throughput_tok_s"]),
+            }
+            bo, bf = r["busy_us"]["on"], r["busy_us"]["off"]
+            r["saving_busy_us"] = bf - bo if bo is not None and bf is not None else None
+            so, sf = r["sum_us"]["on"], r["sum_us"]["off"]
+            r["saving_sum_us"] = sf - so if so is not None and sf is not None else None
+            p = pred.get(cache, {}).get(k)
+            r["predicted_saving_us"] = p["saving_us_per_step"] if p else None
+            if r["predicted_saving_us"] and r["saving_busy_us"] is not None:
+                r["measured_over_predicted"] = r["saving_busy_us"] / r["predicted_saving_us"]
+            # Noise: the widest spread of per-engine medians on either side.
+            t = r["tpot_ms"]
+            widths = [hi - lo for lo, hi in (t["on_range"], t["off_range"]) if lo is not None]
+            r["tpot_noise_ms"] = max(widths) if widths else None
+            if t["on"] is not None and t["off"] is not None:
+                r["tpot_delta_ms"] = t["on"] - t["off"]
+            rows[k] = r
+        prefill = {}
+        for length in args.prefill_lens:
+            k = str(length)
+            prefill[k] = {"ttft_ms": _pair(on, off, lambda e: e["prefill"][k]["ttft_ms_median"]),
+                          "busy_us": _pair(on, off, lambda e: e["profile"]["prefill"][k]["busy_us_median"])}  # fmt: skip
+        first = {s: [1e3 * e["first_request"]["first_s"] for e in eng if "first_request" in e]
+                 for s, eng in (("on", on), ("off", off))}  # fmt: skip
+        excess = {s: [e["first_request"]["excess_ms"] for e in eng if "first_request" in e]
+                  for s, eng in (("on", on), ("off", off))}  # fmt: skip
+        jit = {s: [[(j["kernel"], j["phase"], round(j["compile_ms"], 1)) for j in e.get("jit_after_warmup", [])]
+                   for e in eng] for s, eng in (("on", on), ("off", off))}  # fmt: skip
+        diffs = {}
+        if on and off:
+            import vllm_trace as T
+
+            for b in sorted({args.decode_batches[0], args.decode_batches[-1]}):
+                try:
+                    t_on = on[0]["profile"]["decode"][str(b)]["kernel_table"]
+                    t_off = off[0]["profile"]["decode"][str(b)]["kernel_table"]
+                except KeyError:
+                    continue
+                diffs[str(b)] = T.kernel_diff(t_on, t_off)
+        out[kv] = {"decode": rows, "prefill": prefill, "first_request_ms": first, "first_request_excess_ms": excess,
+                   "jit_after_warmup": jit, "backend": _backend(on + off), "kernel_diff": diffs}  # fmt: skip
+    return out
+
+
+def _backend(engines):
+    for e in engines:
+        layers = e.get("facts", {}).get("layers") or []
+        if layers:
+            f = e["facts"]
+            return {"backend": layers[0]["backend"], "fp8_query": layers[0]["fp8_query"],
+                    "block_size": f.get("block_size"), "cudagraph_mode": f.get("cudagraph_mode"),
+                    "async_scheduling": f.get("async_scheduling"), "mp_method": f.get("mp_method")}  # fmt: skip
+    return None
+
+
+def _f(x, fmt="{:.1f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def write_markdown(report, path: Path) -> None:
+    s = report.get("summary", {})
+    env = report["environment"]
+    lines = [f"# End to end inside vLLM ({report['config']['mode']})", ""]
+    if report["config"]["mode"] == "smoke":
+        lines += ["**CPU smoke run: every number below is meaningless (CPU, tiny model, no CUDA graphs).**", ""]
+    lines += [f"- device: {env.get('device')}; vLLM {env.get('vllm')}, torch {env.get('torch')}, Triton {env.get('triton')}; "
+              f"git {env.get('git_commit')}{' (dirty)' if env.get('git_dirty') else ''}",
+              f"- model: {report['config']['model']}, {NUM_LAYERS} layers in full mode; decode prompts "
+              f"{report['config']['prompt_len']} tokens, N = {report['config']['decode_tokens']} output tokens; "
+              f"{report['config']['repeats']} repeats per engine",
+              f"- prediction: {report['prediction'].get('source')} (decode-layer, H=16, block 64): "
+              f"61 x (unfused chain - ours) per layer", ""]  # fmt: skip
+    for kv, r in s.items():
+        be = r.get("backend") or {}
+        lines += [f"## KV cache {kv}: backend {be.get('backend')} (fp8 query {be.get('fp8_query')}, block "
+                  f"{be.get('block_size')}), CUDA graphs {be.get('cudagraph_mode')}, async scheduling "
+                  f"{be.get('async_scheduling')}", ""]  # fmt: skip
+        lines += ["| B | GPU busy/step off (us) | on | saved | predicted | saved / predicted | kernel sum off | on | "
+                  "TPOT off (ms) | on | delta | noise | tok/s off | on |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for b, row in r["decode"].items():
+            lines.append("| " + " | ".join([
+                b, _f(row["busy_us"]["off"]), _f(row["busy_us"]["on"]), _f(row.get("saving_busy_us")),
+                _f(row.get("predicted_saving_us")), _f(row.get("measured_over_predicted"), "{:.2f}"),
+                _f(row["sum_us"]["off"]), _f(row["sum_us"]["on"]),
+                _f(row["tpot_ms"]["off"], "{:.3f}"), _f(row["tpot_ms"]["on"], "{:.3f}"),
+                _f(row.get("tpot_delta_ms"), "{:+.3f}"), _f(row.get("tpot_noise_ms"), "{:.3f}"),
+                _f(row["throughput_tok_s"]["off"], "{:.0f}"), _f(row["throughput_tok_s"]["on"], "{:.0f}"),
+            ]) + " |")  # fmt: skip
+        lines += ["", "| prefill L | TTFT off (ms) | on | GPU busy off (us) | on |", "|---|---|---|---|---|"]
+        for length, row in r["prefill"].items():
+            lines.append(f"| {length} | {_f(row['ttft_ms']['off'], '{:.2f}')} | {_f(row['ttft_ms']['on'], '{:.2f}')} | "
+                         f"{_f(row['busy_us']['off'])} | {_f(row['busy_us']['on'])} |")  # fmt: skip
+        lines += ["", f"- first request (B=1, prefill + 1 token) ms, per engine: on {r['first_request_ms']['on']}, "
+                  f"off {r['first_request_ms']['off']}; excess over the next three: on "
+                  f"{r['first_request_excess_ms']['on']}, off {r['first_request_excess_ms']['off']}",
+                  f"- Triton JIT compilations after warm-up (kernel, phase, ms): on {r['jit_after_warmup']['on']}; "
+                  f"off {r['jit_after_warmup']['off']}", ""]  # fmt: skip
+        if r.get("kernel_diff"):
+            import vllm_trace as T
+
+            for b, diff in r["kernel_diff"].items():
+                lines += [f"Decode step at B={b}, first on engine vs first off engine, kernels by name (where the "
+                          "saving comes from):", "", "```"] + T.format_diff(diff) + ["```", ""]  # fmt: skip
+    if report.get("skipped"):
+        lines += [f"- not run: {report['skipped']}", ""]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(report, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib missing: no plot")
+        return
+    s = report.get("summary", {})
+    if not s:
+        return
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    for kv, r in s.items():
+        bs = [int(b) for b in r["decode"]]
+        for side, ls in (("off", "--"), ("on", "-")):
+            axes[0, 0].plot(bs, [r["decode"][str(b)]["busy_us"][side] for b in bs], ls, marker="o", label=f"{kv} {side}")
+            axes[1, 0].plot(bs, [r["decode"][str(b)]["tpot_ms"][side] for b in bs], ls, marker="o", label=f"{kv} {side}")
+            ls_ = [int(x) for x in r["prefill"]]
+            axes[1, 1].plot(ls_, [r["prefill"][str(x)]["ttft_ms"][side] for x in ls_], ls, marker="o", label=f"{kv} {side}")
+        axes[0, 1].plot(bs, [r["decode"][str(b)].get("saving_busy_us") for b in bs], "-", marker="o", label=f"{kv} measured")
+        axes[0, 1].plot(bs, [r["decode"][str(b)].get("predicted_saving_us") for b in bs], ":", marker="x",
+                        label=f"{kv} predicted (61 x kernel bench)")  # fmt: skip
+    titles = (("GPU busy time per decode step (us)", "decode batch B"), ("saved per decode step (us)", "decode batch B"),
+              ("TPOT (ms)", "decode batch B"), ("TTFT (ms)", "prompt tokens"))  # fmt: skip
+    for ax, (title, xl) in zip(axes.flat, titles):
+        ax.set_xscale("log", base=2)
+        ax.set_title(title)
+        ax.set_xlabel(xl)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    mode = report["config"]["mode"]
+    fig.suptitle(f"vllm-mla-fusion end to end, {report['environment'].get('device')}"
+                 + (" - CPU SMOKE, MEANINGLESS" if mode == "smoke" else ""))  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_summary(report) -> None:
+    print("\n==== E2E SUMMARY" + (" (CPU smoke: numbers meaningless)" if report["config"]["mode"] == "smoke" else ""))
+    for e in report["engines"]:
+        status = e.get("error") or (f"start {e.get('start_s', 0):.0f} s, first request "
+                                    f"{1e3 * e.get('first_request', {}).get('first_s', float('nan')):.1f} ms")  # fmt: skip
+        print(f"engine {e['index']}: {e['kv_cache_dtype']} {e['side']}: {status}")
+    for kv, r in report.get("summary", {}).items():
+        print(f"-- {kv} ({(r.get('backend') or {}).get('backend')})")
+        print("   B   busy off    busy on    saved  predicted  ratio   TPOT off   TPOT on   delta  noise")
+        for b, row in r["decode"].items():
+            print(f"{b:>4} {_f(row['busy_us']['off']):>10} {_f(row['busy_us']['on']):>10} {_f(row.get('saving_busy_us')):>8} "
+                  f"{_f(row.get('predicted_saving_us')):>10} {_f(row.get('measured_over_predicted'), '{:.2f}'):>6} "
+                  f"{_f(row['tpot_ms']['off'], '{:.3f}'):>10} {_f(row['tpot_ms']['on'], '{:.3f}'):>9} "
+                  f"{_f(row.get('tpot_delta_ms'), '{:+.3f}'):>7} {_f(row.get('tpot_noise_ms'), '{:.3f}'):>6}")  # fmt: skip
+        for length, row in r["prefill"].items():
+            print(f"   prefill {length}: TTFT off {_f(row['ttft_ms']['off'], '{:.2f}')} on {_f(row['ttft_ms']['on'], '{:.2f}')} ms")
+        print(f"   first request ms: on {r['first_request_ms']['on']} off {r['first_request_ms']['off']}")
+        print(f"   JIT after warm-up: on {r['jit_after_warmup']['on']} off {r['jit_after_warmup']['off']}")
+    if report.get("skipped"):
+        print(f"not run: {len(report['skipped'])} engine(s): {report['skipped'][0]['reason']}")
+
+
+def environment(args) -> dict:
+    import torch
+
+    env = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "argv": sys.argv,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "TRITON_")) and "TOKEN" not in k},
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    try:
+        env["git_commit"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
+                                           text=True, timeout=10).stdout.strip() or None  # fmt: skip
+        env["git_dirty"] = bool(subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True,
+                                               text=True, timeout=10).stdout.strip())  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        env["git_commit"] = None
+    if args.smoke:
+        env["device"] = f"CPU ({platform.machine()})"
+    else:
+        # nvidia-smi, not torch.cuda: the driver process must not initialise CUDA.
+        try:
+            q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm",
+                                "--format=csv,noheader"], capture_output=True, text=True, timeout=20)  # fmt: skip
+            env["nvidia_smi"] = q.stdout.strip()
+            env["device"] = q.stdout.split(",")[0].strip() or None
+        except (OSError, subprocess.SubprocessError):
+            env["device"] = None
+    return env
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(BENCH_DIR / "results"), help="folder for the JSON, markdown and plot")
+    ap.add_argument("--tag", default="h200", help="file name suffix: bench_vllm_e2e_<tag>.*")
+    ap.add_argument("--work-dir", default=None, help="model dir, compile caches, traces (default: under --out)")
+    ap.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=["auto", "fp8"])
+    ap.add_argument("--runs", type=int, default=2, help="engines per side and cache dtype, alternating on/off")
+    ap.add_argument("--extra-pairs", default=None, choices=["auto", "fp8"],
+                    help="after the planned engines, more on/off pairs of this cache dtype while the deadline allows")
+    ap.add_argument("--on-mode", default="decode", choices=["decode", "rope_cache"],
+                    help="plugin mode of the 'on' engines (rope_cache: VLLM_MLA_FUSION_DECODE=0)")
+    ap.add_argument("--attention-backend", default=None, help="force a backend (default: vLLM's choice)")
+    ap.add_argument("--decode-batches", type=int, nargs="+", default=list(DECODE_BATCHES))
+    ap.add_argument("--prefill-lens", type=int, nargs="+", default=list(PREFILL_LENS))
+    ap.add_argument("--decode-tokens", type=int, default=64, help="N of the TPOT difference")
+    ap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens of the decode requests")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile-decode-steps", type=int, default=8)
+    ap.add_argument("--deadline-s", type=float, default=510.0,
+                    help="start no engine (pair) that would end past this many seconds; sections shrink near it")
+    ap.add_argument("--kernel-bench-json", default=str(KERNEL_BENCH_JSON))
+    ap.add_argument("--smoke", action="store_true", help="CPU code-path check: tiny model, CPU_MLA, stand-in kernels")
+    ap.add_argument("--inproc", action="store_true",
+                    help="in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) instead of vLLM's default engine-core "
+                    "process; for the CI smoke test, where spawning vLLM's CPU engine processes takes minutes")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.decode_batches = [1, 2]
+        args.prefill_lens = [24]
+        args.decode_tokens = 3
+        args.prompt_len = 8
+        args.repeats = 1
+        args.profile_decode_steps = 3
+        args.runs = 1
+    args.decode_batches = sorted(set(args.decode_batches))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not args.smoke:
+        import shutil
+
+        # A 61-layer model on vLLM's CPU platform would run for hours; checked without CUDA.
+        if shutil.which("nvidia-smi") is None or subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode:
+            log("error: no NVIDIA GPU (nvidia-smi -L failed); use --smoke for the CPU code-path check")
+            return 2
+    if args.inproc:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if args.smoke:
+        os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+        os.environ["VLLM_MLA_FUSION_E2E_CPU_STANDINS"] = "1"
+        from tests.vllm_plugin import harness
+
+        harness.install_cpu_stand_ins(
+            ("mla_decode_kvcache", "init_cpu_memory_env", "compute_slot_mapping_kernel_impl", "greedy_argmax")
+        )
+    return Bench(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

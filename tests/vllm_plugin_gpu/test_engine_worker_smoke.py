@@ -1,0 +1,104 @@
+"""The GPU integration tests' worker, run on vLLM's CPU platform: same code paths, same checks.
+
+``engine_worker.py --cpu-smoke`` builds two in-process engines (CPU_MLA, eager,
+float32, the plain-torch stand-ins for the kernels the CUDA wheel lacks; plugin on,
+then off) and runs the whole probe: facts, greedy generation, teacher forcing,
+the profiled census, path counters, the JIT hook. This test applies the GPU
+tests' checks to what it recorded, so that a broken worker or check is found in
+CI rather than on a GPU lease. What the CPU cannot show: CUDA graphs, GPU
+kernels (the census counts the ops' CPU events instead), fp8 caches, chunked
+prefill (vLLM's CPU platform turns it off for MLA).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from . import checks
+from . import workload as W
+
+pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.vllm
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    out = tmp_path_factory.mktemp("worker_smoke") / "results.jsonl"
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    for name in ("VLLM_MLA_FUSION", "VLLM_MLA_FUSION_DECODE", "VLLM_PLUGINS", "VLLM_MLA_FUSION_BACKEND"):
+        env.pop(name, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.vllm_plugin_gpu.engine_worker", "--cpu-smoke", "--out", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    recs = checks.load_records([out])
+    assert recs and recs[-1].get("kind") == "done", proc.stderr[-4000:]
+    return recs
+
+
+@pytest.fixture(scope="module")
+def pair(records):
+    eng = checks.engines(records)
+    name = W.CPU_GROUPS["CPU_MLA"][0].name
+    on, off = eng[(name, "on")], eng[(name, "off")]
+    for rec in (on, off):
+        assert "error" not in rec, rec.get("traceback")
+    return on, off
+
+
+def test_worker_found_the_plugin_through_vllms_loader(records):
+    header = records[0]
+    assert header["kind"] == "worker"
+    assert header["entry_points"].get("mla_fusion") == "vllm_mla_fusion.vllm_plugin:register"
+    assert header["loaded_by_vllm"] == checks.PLUGIN_CLASS
+    assert records[-1]["failures"] == 0
+
+
+def test_sides_graph_mode_and_paths(pair):
+    on, off = pair
+    checks.check_sides(on, off, W.NUM_LAYERS)
+    for rec in pair:
+        checks.check_graph_mode(rec)
+    checks.check_paths(on, off, chunked_prefill=False)
+    assert on["mla_layers_redrawn"] == W.NUM_LAYERS
+
+
+def test_outputs_match(pair):
+    checks.check_bf16_identical(*pair, tol=1e-4)  # float32 on the CPU; reductions may reorder
+    # The eager-noise check against itself: zero vLLM noise leaves only eps.
+    on, off = pair
+    checks.check_eager_noise(on, off, off, eps=1e-4)
+
+
+def test_census_counts_ops_per_step(pair):
+    on, off = pair
+    checks.check_census(on, off, W.NUM_LAYERS, gpu=False)
+    assert checks.graph_kernels_visible(on) is None  # no CUDA graph on the CPU
+
+
+def test_checks_catch_a_difference(pair):
+    on, off = pair
+    bad = {**on, "teacher": {**on["teacher"], "logprobs": [[x + 0.1 for x in row] for row in on["teacher"]["logprobs"]]}}
+    with pytest.raises(AssertionError):
+        checks.check_bf16_identical(bad, off, tol=1e-4)
+    with pytest.raises(AssertionError):
+        checks.check_sides(off, on, W.NUM_LAYERS)  # sides swapped
+    with pytest.raises(AssertionError):
+        checks.check_census(off, on, W.NUM_LAYERS, gpu=False)
+
+
+def test_jit_hook_installed(pair):
+    has_triton = importlib.util.find_spec("triton") is not None
+    for rec in pair:
+        assert rec["jit_hook"] is has_triton
+        assert rec["jit_after_warmup"] == []  # the CPU path runs the torch backend: nothing to compile

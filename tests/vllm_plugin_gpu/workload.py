@@ -1,0 +1,143 @@
+"""What the GPU integration tests run: model, cases, request shapes. Imports neither torch nor vLLM.
+
+A *case* is one engine configuration (attention backend, eager or compiled, KV-cache
+dtype, token budget); the worker builds it twice, plugin on then off, and runs the
+same *probe* on both (engine_worker.py). The shapes are chosen per backend so that
+each path the plugin touches runs (vLLM 0.33's ``reorder_batch_threshold``: a request
+with at most that many new tokens in a step goes down the decode path,
+``forward_mqa``; longer ones the prefill path, ``forward_mha``):
+
+- FLASH_ATTN_MLA (threshold 512), budget 1024 tokens per step: the 2100- and
+  1300-token prompts are prefilled in 1024-token chunks, the second and later ones
+  reading the earlier context back from the cache (chunked prefill, prefill path);
+  their remainders (52, 276 tokens) and every prompt of <= 512 tokens go down the
+  decode path.
+- FLASHMLA (threshold 128) and TRITON_MLA (1), budget 256: everything longer than
+  the threshold is prefilled in 256-token chunks with context; on FLASHMLA a chunk of
+  <= 128 tokens (a remainder, or the 40-token prompt) goes down the decode path and
+  reads the (fp8) cache there.
+- The census step sequence: 4 short requests (prefill-only step, then decode-only
+  steps), then a 600-token request joins (a mixed step whose new request exceeds every
+  threshold, so it takes the prefill path while the others decode), then decode-only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import asdict, dataclass
+
+NUM_LAYERS = 2
+
+# Tiny DeepSeek-V3-architecture model: DeepSeek-V3's per-head MLA dims and TP8 head
+# count (16), everything else small. Dense MLP in both layers (first_k_dense_replace).
+MODEL_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_size": 1024,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "num_hidden_layers": NUM_LAYERS,
+    "intermediate_size": 1024,
+    "moe_intermediate_size": 64,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": NUM_LAYERS,
+    "vocab_size": 4096,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    # DeepSeek-V3's rope scaling, shrunk: yarn -> DeepseekScalingRotaryEmbedding, GPT-J rotation.
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 32,
+        "original_max_position_embeddings": 128,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+}
+# The CPU smoke run: vLLM's CPU platform has CPU_MLA only, which needs small heads counts
+# to stay fast in the test stand-ins; float32 makes on/off exactly comparable there.
+CPU_MODEL_CONFIG = {**MODEL_CONFIG, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4,
+                    "intermediate_size": 256, "vocab_size": 512}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Case:
+    backend: str
+    compiled: bool
+    kv_cache_dtype: str = "auto"
+    max_num_batched_tokens: int = 256
+
+    @property
+    def name(self) -> str:
+        return f"{self.backend}-{'compiled' if self.compiled else 'eager'}-{'bf16' if self.kv_cache_dtype == 'auto' else self.kv_cache_dtype}"
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "name": self.name}
+
+
+BUDGET = {"FLASH_ATTN_MLA": 1024, "FLASHMLA": 256, "TRITON_MLA": 256, "CPU_MLA": 64}
+
+
+def case(backend: str, compiled: bool, kv_cache_dtype: str = "auto") -> Case:
+    return Case(backend, compiled, kv_cache_dtype, BUDGET[backend])
+
+
+# One worker process per backend, run side by side on the GPU (an engine start is mostly
+# host work: compile, capture). Within a worker, in priority order: a worker that runs out
+# of time drops the last cases. The eager noise bound needs the compiled bf16 case of the
+# same backend, the fp8 comparison its compiled bf16 case (the reference).
+GROUPS = {
+    "FLASH_ATTN_MLA": [case("FLASH_ATTN_MLA", True), case("FLASH_ATTN_MLA", False)],
+    "FLASHMLA": [case("FLASHMLA", True), case("FLASHMLA", True, "fp8"), case("FLASHMLA", False)],
+    "TRITON_MLA": [case("TRITON_MLA", True), case("TRITON_MLA", True, "fp8"), case("TRITON_MLA", False)],
+}
+CPU_GROUPS = {"CPU_MLA": [case("CPU_MLA", False)]}
+ALL_CASES = {c.name: c for cs in GROUPS.values() for c in cs}
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Request shapes of one probe run (token counts)."""
+
+    greedy_lens: tuple[int, ...] = (5, 30, 700, 1300)
+    greedy_tokens: int = 16
+    teacher_lens: tuple[int, ...] = (2100, 1100, 300, 40)
+    census_requests: int = 4
+    census_prompt: int = 8
+    census_tokens: int = 10
+    census_late_prompt: int = 600  # longer than every backend's reorder_batch_threshold
+    census_late_after: int = 4  # engine steps before the late request joins
+    max_model_len: int = 4096
+    max_num_seqs: int = 8
+    seed: int = 1234
+
+
+GPU_PROBE = Probe()
+CPU_PROBE = Probe(greedy_lens=(5, 30, 90), greedy_tokens=6, teacher_lens=(150, 60, 20), census_requests=2,
+                  census_prompt=4, census_tokens=6, census_late_prompt=40, census_late_after=3, max_model_len=256,
+                  max_num_seqs=4)  # fmt: skip
+
+
+def token_lists(lens, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lens]
+
+
+def write_model_dir(path: str, config: dict) -> str:
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
