@@ -26,8 +26,11 @@ timing passes, never the first pass or (unless very late) the profile.
 
 Prompts are random token ids, new for every request, so vLLM's prefix cache (on, as
 in serving) never hits. The predicted saving per decode step is 61 x (unfused chain -
-ours) per layer from the kernel benchmark (benchmarks/results/bench_mla_rope_cache.json,
-section decode-layer, H=16, block size 64, the cache dtype's rows).
+ours) per layer from the kernel benchmark (``--kernel-bench-json``, H=16, block size 64,
+the cache dtype's rows), for the decode path the plugin took: op 2 against RoPE + cache
+write + query concat (decode-layer section) where the backend concatenates the query, op 1
+against RoPE + cache write (sweep section, op 1 at T = batch) where it takes
+(ql_nope, q_pe) as is (FLASH_ATTN_MLA, vLLM's default on Hopper).
 
 Usage::
 
@@ -66,15 +69,13 @@ for _p in (str(BENCH_DIR), str(REPO)):
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-if os.environ.get("VLLM_MLA_FUSION_E2E_CPU_STANDINS") == "1":
+if os.environ.get("MLA_FUSION_E2E_CPU_STANDINS") == "1":
     # Smoke run: vLLM's CPU platform spawns the engine core and its worker, which import this
     # file as their main module; the plain-torch stand-ins for the kernels the CUDA wheel lacks
     # must be registered there too.
-    from tests.vllm_plugin import harness as _harness
+    from demo import cpu_stand_ins as _cpu_stand_ins
 
-    _harness.install_cpu_stand_ins(
-        ("mla_decode_kvcache", "init_cpu_memory_env", "compute_slot_mapping_kernel_impl", "greedy_argmax")
-    )
+    _cpu_stand_ins.install()
 
 NUM_LAYERS = 61
 # DeepSeek-V3 with the shapes of one tensor-parallel rank at TP8: 128/8 = 16 heads, the
@@ -150,25 +151,37 @@ def spread(xs):
 
 
 def load_prediction(path: Path, batches) -> dict:
-    """Per cache dtype ('bf16', 'fp8') and batch: the decode-layer figures used and 61 x their difference."""
+    """Per decode path and cache dtype, per batch: the kernel-benchmark figures used and 61 x their difference.
+
+    ``op2``: the decode-layer section (RoPE + cache write + query concat or concat-quant,
+    3 launches, against op 2), for backends that concatenate the query. ``op1``: the sweep's
+    op 1 rows at T = batch (RoPE + cache write, 2 launches, against op 1), for backends
+    that take (ql_nope, q_pe) as is (FLASH_ATTN_MLA), where the plugin runs op 1 on the
+    decode rows and vLLM has no concat. H=16 (a TP8 rank), block size 64.
+    """
     out = {"source": str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path), "rows": {}}
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         out["error"] = f"{type(e).__name__}: {e}"
         return out
-    rows = [r for r in data.get("results", []) if r.get("section") == "decode-layer" and r.get("H") == 16
-            and r.get("block_size") == 64 and r.get("status") == "ok"]  # fmt: skip
     out["kernel_bench_environment"] = {k: data.get("environment", {}).get(k) for k in ("date_utc", "torch", "triton")}
-    for cache in ("bf16", "fp8"):
-        table = {}
-        for b in batches:
-            u = next((r["us"] for r in rows if r["cache"] == cache and r["T"] == b and r["impl"] == "unfused"), None)
-            o = next((r["us"] for r in rows if r["cache"] == cache and r["T"] == b and r["impl"] == "triton"), None)
-            if u is not None and o is not None:
-                table[str(b)] = {"unfused_us_per_layer": u, "ours_us_per_layer": o,
-                                 "saving_us_per_step": NUM_LAYERS * (u - o)}  # fmt: skip
-        out["rows"][cache] = table
+    ok = [r for r in data.get("results", []) if r.get("H") == 16 and r.get("block_size") == 64
+          and r.get("status") == "ok"]  # fmt: skip
+    sections = {"op2": ("decode-layer", "decode"), "op1": ("sweep", "prefill")}
+    for path_name, (section, op) in sections.items():
+        rows = [r for r in ok if r.get("section") == section and r.get("op") == op]
+        per_cache = {}
+        for cache in ("bf16", "fp8"):
+            table = {}
+            for b in batches:
+                u = next((r["us"] for r in rows if r["cache"] == cache and r["T"] == b and r["impl"] == "unfused"), None)
+                o = next((r["us"] for r in rows if r["cache"] == cache and r["T"] == b and r["impl"] == "triton"), None)
+                if u is not None and o is not None:
+                    table[str(b)] = {"unfused_us_per_layer": u, "ours_us_per_layer": o,
+                                     "saving_us_per_step": NUM_LAYERS * (u - o)}  # fmt: skip
+            per_cache[cache] = table
+        out["rows"][path_name] = per_cache
     return out
 
 
@@ -596,7 +609,7 @@ def _pair(on, off, getter) -> dict:
 
 def summarize(report, args) -> dict:
     out = {}
-    pred = report.get("prediction", {}).get("rows", {})
+    pred_paths = report.get("prediction", {}).get("rows", {})
     for kv in args.kv_cache_dtypes + ([args.extra_pairs] if args.extra_pairs else []):
         if kv in out:
             continue
@@ -604,6 +617,8 @@ def summarize(report, args) -> dict:
         if not on and not off:
             continue
         cache = "bf16" if kv == "auto" else "fp8"
+        decode_op = (_backend(on) or {}).get("decode_op") or "op2"
+        pred = pred_paths.get(decode_op, {})
         rows = {}
         for b in args.decode_batches:
             k = str(b)
@@ -663,6 +678,7 @@ def _backend(engines):
         if layers:
             f = e["facts"]
             return {"backend": layers[0]["backend"], "fp8_query": layers[0]["fp8_query"],
+                    "decode_op": layers[0].get("decode_op"), "prefill_key_fused": layers[0].get("prefill_key_fused"),
                     "block_size": f.get("block_size"), "cudagraph_mode": f.get("cudagraph_mode"),
                     "async_scheduling": f.get("async_scheduling"), "mp_method": f.get("mp_method")}  # fmt: skip
     return None
@@ -683,12 +699,14 @@ def write_markdown(report, path: Path) -> None:
               f"- model: {report['config']['model']}, {NUM_LAYERS} layers in full mode; decode prompts "
               f"{report['config']['prompt_len']} tokens, N = {report['config']['decode_tokens']} output tokens; "
               f"{report['config']['repeats']} repeats per engine",
-              f"- prediction: {report['prediction'].get('source')} (decode-layer, H=16, block 64): "
-              f"61 x (unfused chain - ours) per layer", ""]  # fmt: skip
+              f"- prediction: {report['prediction'].get('source')} (H=16, block 64): 61 x (unfused chain - ours) "
+              "per layer; decode path op 2 (decode-layer section) or op 1 (sweep, T = batch), as the backend takes",
+              ""]  # fmt: skip
     for kv, r in s.items():
         be = r.get("backend") or {}
         lines += [f"## KV cache {kv}: backend {be.get('backend')} (fp8 query {be.get('fp8_query')}, block "
-                  f"{be.get('block_size')}), CUDA graphs {be.get('cudagraph_mode')}, async scheduling "
+                  f"{be.get('block_size')}, plugin decode path {be.get('decode_op')}, prefill key fused "
+                  f"{be.get('prefill_key_fused')}), CUDA graphs {be.get('cudagraph_mode')}, async scheduling "
                   f"{be.get('async_scheduling')}", ""]  # fmt: skip
         lines += ["| B | GPU busy/step off (us) | on | saved | predicted | saved / predicted | kernel sum off | on | "
                   "TPOT off (ms) | on | delta | noise | tok/s off | on |",
@@ -873,12 +891,10 @@ def main(argv=None) -> int:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if args.smoke:
         os.environ["VLLM_TARGET_DEVICE"] = "cpu"
-        os.environ["VLLM_MLA_FUSION_E2E_CPU_STANDINS"] = "1"
-        from tests.vllm_plugin import harness
+        os.environ["MLA_FUSION_E2E_CPU_STANDINS"] = "1"
+        from demo import cpu_stand_ins
 
-        harness.install_cpu_stand_ins(
-            ("mla_decode_kvcache", "init_cpu_memory_env", "compute_slot_mapping_kernel_impl", "greedy_argmax")
-        )
+        cpu_stand_ins.install()
     return Bench(args).run()
 
 

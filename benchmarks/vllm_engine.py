@@ -226,6 +226,11 @@ def mla_facts(model) -> dict:
             "cache_dtype": str(kv.dtype) if kv is not None else None,
             "cache_shape": list(kv.shape) if kv is not None else None,
             "fp8_query": bool(is_quantized_kv_cache(attn.kv_cache_dtype) and attn.impl.supports_quant_query_input),
+            # The plugin's decode rows: op 2 assembles the query, op 1 rotates them where the
+            # backend takes (ql_nope, q_pe) as is (vllm_plugin/eligibility.decode_pair_reason).
+            "decode_op": (None if getattr(m, "fusion_mode", None) != "decode"
+                          else "op2" if getattr(attn, "_decode_assembles_query", True) else "op1"),
+            "prefill_key_fused": getattr(attn, "_prefill_key_fused", None),
             "reorder_batch_threshold": getattr(builder, "reorder_batch_threshold", None),
             "num_heads": attn.num_heads,
         })  # fmt: skip

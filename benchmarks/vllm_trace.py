@@ -251,7 +251,9 @@ def parse_steps(trace: dict, cpu_op_names: Iterable[str] | None = None) -> list[
                 launch_step[corr] = s
                 if name in GRAPH_LAUNCH_NAMES:
                     graph_corr.add(corr)
-        elif cat == "cpu_op" and wanted and ev.get("name") in wanted:
+        # A dispatcher op is a cpu_op; the plugin calls the ops' bodies directly (ops.eager),
+        # which name themselves with a record_function range (a user_annotation) instead.
+        elif cat in ("cpu_op", "user_annotation") and wanted and ev.get("name") in wanted:
             ts = float(ev["ts"])
             i = bisect.bisect_right(starts, ts) - 1
             if i >= 0 and ts <= steps[i].ts + steps[i].dur:

@@ -98,7 +98,7 @@ stage_tests() {
   [ "$budget" -gt 360 ] && budget=360
   if [ "$budget" -lt 120 ]; then echo "tests: only ${budget}s left, not starting"; return 1; fi
   note "tests: budget ${budget}s"
-  VLLM_MLA_FUSION_GPU_OUT=$OUT VLLM_MLA_FUSION_GPU_BUDGET_S=$budget \
+  MLA_FUSION_GPU_OUT=$OUT MLA_FUSION_GPU_BUDGET_S=$budget \
     timeout -k 10 $((budget + 30)) python3 -m pytest tests/vllm_plugin_gpu -m "gpu and vllm" -v -rA \
       -p no:cacheprovider --junitxml="$OUT/vllm_gpu_tests.xml" >"$OUT/vllm_gpu_tests.log" 2>&1
   local rc=$?

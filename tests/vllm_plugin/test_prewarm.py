@@ -69,6 +69,7 @@ def test_profile_run_launches_every_configuration_once(vllm_cpu, triton_layer, m
         want = tb.launch_configs(p, op, torch.device("cpu"), T)
         got = [cfg for o, cfg in forced if o == op]
         assert got == want, (op, got, want)
+    assert len(forced) == sum(len(tb.launch_configs(p, op, torch.device("cpu"), T)) for op in (1, 2, 3))
     # The profile run's own work (op 1 over the batch) is not forced.
     assert [op for op, cfg in launches if cfg is None] == [tb.OP_ROPE_CACHE.value]
     assert tb.LAUNCH_CONFIG_OVERRIDE is None
@@ -85,3 +86,26 @@ def test_prewarm_switch(vllm_cpu, plugin_on, monkeypatch):
     assert H.mla_layer(attn)[1]._prewarm_block_size is None
     monkeypatch.delenv("VLLM_MLA_FUSION_PREWARM")
     assert H.mla_layer(vllm_cpu.build_attention())[1]._prewarm_block_size == H.BLOCK_SIZE
+
+
+def test_only_the_ops_a_layer_can_launch_are_compiled(vllm_cpu, plugin_on, monkeypatch):
+    """A backend that takes (ql_nope, q_pe) as is never runs op 2; with VLLM_MLA_FUSION_PREFILL_KEY=0
+    op 3 never runs either: neither is compiled."""
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+    from vllm_mla_fusion.backends import triton as tb
+    from vllm_mla_fusion.vllm_plugin import eligibility, prewarm
+
+    monkeypatch.setenv("VLLM_MLA_FUSION_BACKEND", "triton")
+    monkeypatch.setenv("VLLM_MLA_FUSION_PREFILL_KEY", "0")
+    monkeypatch.setattr(prewarm, "_DONE", set())
+    monkeypatch.setattr(eligibility, "_DECODE_PAIR_BACKENDS", {(CPUMLAImpl.__module__, CPUMLAImpl.__qualname__)})
+    attn = vllm_cpu.build_attention()
+    vllm_cpu.finish_weights(attn, seed=5)
+    H.mla_layer(attn)[1].bind_kv_cache(H.new_kv_cache(seed=10))
+    ops = []
+    original = tb._launch
+    monkeypatch.setattr(tb, "_launch", lambda p, op, *a, **k: (ops.append((op, tb.LAUNCH_CONFIG_OVERRIDE)),
+                                                                original(p, op, *a, **k))[1])  # fmt: skip
+    _profile_step(vllm_cpu, attn, 24, seed=3)
+    assert {op for op, forced in ops if forced is not None} == {tb.OP_ROPE_CACHE.value}

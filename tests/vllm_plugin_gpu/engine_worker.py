@@ -279,11 +279,9 @@ def main(argv=None) -> int:
         os.environ.pop("VLLM_TARGET_DEVICE", None)
     sys.path.insert(0, str(BENCH))
     if args.cpu_smoke:
-        from tests.vllm_plugin import harness
+        from demo import cpu_stand_ins
 
-        harness.install_cpu_stand_ins(
-            ("mla_decode_kvcache", "init_cpu_memory_env", "compute_slot_mapping_kernel_impl", "greedy_argmax")
-        )
+        cpu_stand_ins.install()
     return Runner(args).run()
 
 

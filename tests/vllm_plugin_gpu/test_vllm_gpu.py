@@ -3,9 +3,9 @@
 Not under tests/vllm_plugin/, whose conftest forces vLLM's CPU platform at import.
 The engines run in worker processes (engine_worker.py), one per backend, side by
 side on the one GPU; this module starts them once per session, and its tests check
-what they recorded (checks.py). ``VLLM_MLA_FUSION_GPU_OUT`` names a folder for the
+what they recorded (checks.py). ``MLA_FUSION_GPU_OUT`` names a folder for the
 combined results, the workers' logs and a readable report (scripts/gpu_vllm_check.sh
-sets it to $OUT); ``VLLM_MLA_FUSION_GPU_BUDGET_S`` bounds the whole run (default 300 s):
+sets it to $OUT); ``MLA_FUSION_GPU_BUDGET_S`` bounds the whole run (default 300 s):
 workers start no case (an on/off pair) past it less a reserve, and are killed at it. A case that did
 not run within the budget is skipped with that reason.
 
@@ -133,8 +133,8 @@ def run() -> Run:
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    budget = float(os.environ.get("VLLM_MLA_FUSION_GPU_BUDGET_S", "300"))
-    out = Path(os.environ.get("VLLM_MLA_FUSION_GPU_OUT") or tempfile.mkdtemp(prefix="vllm_gpu_out_"))
+    budget = float(os.environ.get("MLA_FUSION_GPU_BUDGET_S", "300"))
+    out = Path(os.environ.get("MLA_FUSION_GPU_OUT") or tempfile.mkdtemp(prefix="vllm_gpu_out_"))
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="vllm_gpu_work_"))
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")

@@ -47,7 +47,8 @@ def kernels(attn, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor
     storage = torch.uint8 if kvd.startswith("fp8") else (fp8.float_dtype_of_name(kvd) or act)
     q_dtype = attn._decode_query_dtype or act
     key = (H, L, R, P, attn.v_head_dim, act, kvd, q_dtype, block_size, is_neox, cos_sin_cache.dtype, q.stride(),
-           k_pe.stride(), kv_c_normed.stride(), attn._prefill_key_fused, q.device)  # fmt: skip
+           k_pe.stride(), kv_c_normed.stride(), attn._prefill_key_fused, attn._decode_assembles_query,
+           q.device)  # fmt: skip
     if key in _DONE:
         return 0
     _DONE.add(key)
@@ -64,14 +65,18 @@ def kernels(attn, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor
     kv_nope = torch.zeros((1, H, P + attn.v_head_dim), dtype=act, device=device)  # kv_b_proj's output view
     k_out = torch.empty((1, H, P + R), dtype=act, device=device)
     cache_dtype = fp8.cache_store_dtype(cache, kvd)
+    # The ops this layer can launch: op 1 always (the profile run, prefill rows whose key vLLM
+    # builds, decode rows on backends that take the pair), op 2 where it assembles the decode
+    # query, op 3 where it builds the prefill key.
     calls = {
         triton_backend.OP_ROPE_CACHE.value: lambda: eager.mla_rope_cache_write(
             pos, q_pe, k_pe1, kv_c, cos_sin_cache, is_neox, slots, cache, kvd, k_scale
         ),
-        triton_backend.OP_DECODE.value: lambda: eager.mla_decode_rope_cache_write(
-            pos, ql_nope, q_pe, k_pe1, kv_c, cos_sin_cache, is_neox, slots, cache, q_out, kvd, k_scale, q_scale, True
-        ),
     }
+    if attn._decode_assembles_query:
+        calls[triton_backend.OP_DECODE.value] = lambda: eager.mla_decode_rope_cache_write(
+            pos, ql_nope, q_pe, k_pe1, kv_c, cos_sin_cache, is_neox, slots, cache, q_out, kvd, k_scale, q_scale, True
+        )
     if attn._prefill_key_fused:
         calls[triton_backend.OP_PREFILL.value] = lambda: eager.mla_prefill_rope_cache_write(
             pos, q_pe, k_pe1, kv_c, kv_nope[..., :P], cos_sin_cache, is_neox, slots, cache, k_out, kvd, k_scale
