@@ -404,6 +404,8 @@ def test_prefill_dtypes(backend, cache_dtype, kv_cache_dtype, scale, k_out_dtype
         dict(L=48, R=10, nope_dim=20, is_neox=True),
         dict(nope_dim=700, H=2, T=3),  # a nope width past one 512-column tile
         dict(L=512, R=64, nope_dim=128, T=2, H=16),  # DeepSeek dims
+        dict(L=640, R=64, nope_dim=128, T=3, H=2),  # a latent width past one tile
+        dict(kv_c_3d=True, k_pe_3d=True),  # both documented ranks
     ],
     ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()),
 )

@@ -213,9 +213,9 @@ def mla_rope_cache_write(
             a write outside ``kv_cache``. ``VLLM_MLA_FUSION_DEBUG=1`` raises a
             ValueError naming ``slot_mapping`` for them instead, before any write.
         kv_cache: ``[num_blocks, block_size, L + R]``, any strides. **Written** at
-            the row of each slot in ``[0, num_blocks * block_size)``, nowhere else. bf16/fp16/fp32 store
-            the values cast; fp8 (typed, or uint8 storage named by
-            ``kv_cache_dtype``) stores ``saturate(x / kv_cache_scale)``.
+            the row of each slot in ``[0, num_blocks * block_size)``, nowhere else.
+            bf16/fp16/fp32 store the values cast; fp8 (typed, or uint8 storage named
+            by ``kv_cache_dtype``) stores ``saturate(x / kv_cache_scale)``.
         kv_cache_dtype: ``"auto"`` (the tensor's dtype), ``"fp8"``/``"fp8_e4m3"``
             (the platform's e4m3: e4m3fnuz on MI300-class GPUs, e4m3fn elsewhere),
             ``"fp8_e5m2"``, or a float name matching the tensor.
