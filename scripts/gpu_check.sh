@@ -30,7 +30,7 @@ for stage in $stages; do
     # checker (Triton stages layout conversions through shared memory). Everything, Triton's
     # compilations included, runs under the checker, so the selection stays small.
     echo "== compute-sanitizer"
-    sel='sanitize_core or 2_to_the_31 or cuda_graph'
+    sel='sanitize_core or 2_to_the_31 or cuda_graph or out_of_range_slots'
     for tool in memcheck racecheck; do
       timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 --target-processes all \
         python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "$sel" 2>&1 | tee "$OUT/sanitizer_$tool.log" | tail -n 6 || status=1

@@ -4,6 +4,14 @@ Fresh random data per case (never zeros), caches filled with random canary
 bytes, strided views into larger parents, padding slots (-1) at random places,
 index tensors longer than T whose extra entries point at real rows (they must
 be ignored).
+
+Layout options beyond vLLM's own (the ops accept any strides, so each must be
+exercised): ``inner_stride`` gives the named tensors a last-dim stride of 2 (a
+view at offset 1 into a canary-filled parent twice as wide, whose other bytes
+are checked), ``transposed`` stores them with their first two dims swapped
+(ql_nope as a per-head bmm output, column-major cos/sin), ``kv_c_3d``/``k_pe_3d``
+use the ``[T, 1, X]`` rank, and ``guard_rows`` puts canary rows after the cache
+inside its allocation, so a write past the cache's capacity is seen.
 """
 
 from __future__ import annotations
@@ -13,19 +21,50 @@ import torch
 from .mla_reference import Case
 
 
-def _cache_tensor(gen, num_blocks, block_size, width, cache_dtype, block_pad):
-    """A canary-filled cache ``[num_blocks, block_size, width]`` whose block stride may be padded."""
-    storage = torch.uint8 if cache_dtype == torch.uint8 else cache_dtype
-    itemsize = storage.itemsize
-    per_block = block_size * width + block_pad
-    raw = torch.randint(0, 256, (num_blocks * per_block * itemsize,), dtype=torch.uint8, generator=gen)
-    if storage in (torch.float32, torch.float16, torch.bfloat16):
+# Tensors that may be given a non-default layout, and which of them the ops write.
+LAYOUT_NAMES = ("positions", "slot_mapping", "q_pe", "k_pe", "kv_c", "cos_sin_cache", "kv_cache", "kv_cache_scale",
+                "ql_nope", "q_out", "q_scale", "k_nope", "k_out")  # fmt: skip
+
+
+def _canary(gen, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """``numel`` random values of ``dtype``: finite floats, random bytes for fp8/uint8, random ints."""
+    if dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         # Random finite values (random bytes could be NaN, which is fine for byte
         # checks but makes failure messages unreadable).
-        raw = torch.randn(num_blocks * per_block, generator=gen).to(storage).view(torch.uint8)
-    parent = raw.view(storage).view(num_blocks, per_block)
+        return torch.randn(numel, generator=gen).to(dtype)
+    if dtype.itemsize == 1:
+        return torch.randint(0, 256, (numel,), dtype=torch.uint8, generator=gen).view(dtype)
+    return torch.randint(-(2**20), 2**20, (numel,), generator=gen).to(dtype)
+
+
+def _cache_tensor(gen, num_blocks, block_size, width, cache_dtype, block_pad, guard_rows=0):
+    """A canary-filled cache ``[num_blocks, block_size, width]`` whose block stride may be padded,
+    followed in its allocation by ``guard_rows`` canary rows."""
+    per_block = block_size * width + block_pad
+    parent = _canary(gen, num_blocks * per_block + guard_rows * width, cache_dtype)
     cache = parent.as_strided((num_blocks, block_size, width), (per_block, width, 1))
     return parent, cache
+
+
+def _relayout(gen, t: torch.Tensor, how: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(parent, view)``: a copy of ``t`` as a view into a fresh canary-filled ``parent``.
+
+    ``"inner_stride"``: last-dim stride 2, starting one element into the parent, so that a
+    kernel ignoring the stride or the storage offset reads (or writes) canary elements.
+    ``"transposed"``: the first two dims swapped in memory.
+    """
+    if how == "inner_stride":
+        shape = (*t.shape[:-1], 2 * t.shape[-1] + 1)
+        parent = _canary(gen, torch.Size(shape).numel(), t.dtype).view(shape)
+        view = parent[..., 1::2]
+    elif how == "transposed":
+        parent = _canary(gen, t.numel(), t.dtype).view(t.transpose(0, 1).shape)
+        view = parent.transpose(0, 1)
+    else:
+        raise ValueError(how)
+    assert view.shape == t.shape
+    view.copy_(t)
+    return parent, view
 
 
 def make_case(
@@ -58,6 +97,10 @@ def make_case(
     k_out_dtype: torch.dtype | None = None,
     k_out_strided: bool = False,
     spare_blocks: int = 2,
+    kv_c_3d: bool = False,
+    inner_stride: tuple[str, ...] = (),
+    transposed: tuple[str, ...] = (),
+    guard_rows: int = 0,
     device: str | torch.device = "cpu",
     seed: int = 0,
 ) -> Case:
@@ -80,6 +123,8 @@ def make_case(
         q_pe, k_pe, kv_c = randn(T, H, R), randn(T, R), randn(T, L)
     if k_pe_3d:
         k_pe = k_pe.unsqueeze(1)
+    if kv_c_3d:
+        kv_c = kv_c.unsqueeze(1)
 
     # Rows of [cos | sin] with realistic magnitudes (|cos|, |sin| <= 1, some mscale).
     angles = torch.rand(max_pos, R // 2, generator=gen) * 6.3
@@ -100,8 +145,8 @@ def make_case(
     if pad_every and T:
         start = int(torch.randint(0, pad_every, (), generator=gen))
         slots[start:T:pad_every] = -1
-    parent_cache, kv_cache = _cache_tensor(gen, num_blocks, block_size, L + R, cache_dtype, block_pad)
-    if block_pad:
+    parent_cache, kv_cache = _cache_tensor(gen, num_blocks, block_size, L + R, cache_dtype, block_pad, guard_rows)
+    if block_pad or guard_rows:
         parents["kv_cache"] = parent_cache
 
     case = Case(
@@ -138,6 +183,14 @@ def make_case(
         case.k_out = k_out_parent[..., pad:]
         if k_out_strided:
             parents["k_out"] = k_out_parent
+    for how, names in (("inner_stride", inner_stride), ("transposed", transposed)):
+        for name in names:
+            assert name in LAYOUT_NAMES, name
+            t = getattr(case, name)
+            if t is None:
+                continue
+            case.parents[name], view = _relayout(gen, t, how)
+            setattr(case, name, view)
     return to_device(case, device)
 
 
@@ -149,17 +202,106 @@ def to_device(case: Case, device) -> Case:
     moved = {}
     for name, parent in case.parents.items():
         moved[name] = parent.to(device)
-    for name in ("positions", "kv_c", "cos_sin_cache", "slot_mapping", "kv_cache_scale", "ql_nope", "q_out",
-                 "q_scale", "q_pe", "k_pe", "kv_cache", "k_nope", "k_out"):  # fmt: skip
+    # A view moves with the parent that owns its storage (kv_c shares k_pe's), keeping its strides.
+    owner = {parent.untyped_storage().data_ptr(): name for name, parent in case.parents.items()}
+    for name in LAYOUT_NAMES:
         t = getattr(case, name)
         if t is None:
             continue
-        if name in moved:
-            setattr(case, name, moved[name].as_strided(t.shape, t.stride(), t.storage_offset()))
-        elif name == "kv_c" and "k_pe" in moved:
-            setattr(case, name, moved["k_pe"].as_strided(t.shape, t.stride(), t.storage_offset()))
+        key = owner.get(t.untyped_storage().data_ptr())
+        if key is not None:
+            # Parents are fresh tensors (storage offset 0), so the view's offsets carry over.
+            setattr(case, name, moved[key].as_strided(t.shape, t.stride(), t.storage_offset()))
         else:
             setattr(case, name, t.to(device))
     case.parents = moved
     case.snapshot()
     return case
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2)
+
+
+def fp8_near_ties(dtype: torch.dtype, scale: float, steps: int = 3) -> torch.Tensor:
+    """float32 values ``x`` whose quotient ``x / scale`` lies on, or within ``steps`` float32 steps
+    of, a rounding boundary of ``dtype`` (the midpoint between two neighbouring finite values),
+    for every boundary in range.
+
+    A rounding that is merely within one float32 ulp of ``x / scale`` (the reciprocal without
+    its residual step, a truncating division) or that breaks ties the wrong way changes the
+    stored code of some of these; correct rounding of ``x / scale``, then to nearest even,
+    matches torch on all of them. When ``scale`` has few significant bits (2.5), ``x / scale``
+    hits the midpoints exactly: true ties.
+    """
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    finite = codes[torch.isfinite(codes)].unique()  # sorted
+    mids = (finite[1:].double() + finite[:-1].double()) / 2
+    x = (mids * torch.tensor(scale, dtype=torch.float32).double()).float()
+    out, up, down = [x], x, x
+    for _ in range(steps):
+        up, down = torch.nextafter(up, torch.tensor(float("inf"))), torch.nextafter(down, torch.tensor(-float("inf")))
+        out += [up, down]
+    return torch.cat(out)
+
+
+def scaled_fp8_case(dtype: torch.dtype, scale: float, *, T: int, H: int, L: int, R: int, device="cpu", seed=0):
+    """A decode case whose fp8 cache and q_out (both ``dtype``, both scaled by ``scale``) receive
+    the near-tie values of :func:`fp8_near_ties` in every stored part, latent and rotated.
+
+    cos/sin are the identity rotation (cos 1, sin 0): the rotated values are then exactly the
+    inputs (``x1 * 1 - x2 * 0``, fused or not), so the rope parts must be bit-exact too.
+    Zeros and non-finite values go only into the latent parts (0 * inf is NaN, and -0 - 0 is +0).
+    """
+    case = make_case(T=T, H=H, L=L, R=R, decode=True, act_dtype=torch.float32, cache_dtype=dtype, scale=scale,
+                     q_out_dtype=dtype, q_scale=scale, pad_every=0, strided=False, seed=seed)  # fmt: skip
+    gen = torch.Generator().manual_seed(seed + 1)
+    ties = fp8_near_ties(dtype, scale)
+    fmax = torch.finfo(dtype).max
+    special = torch.tensor([0.0, -0.0, 1e-30, -1e-30, fmax * scale * 1.01, -fmax * scale * 3, 1e30, -1e30,
+                            float("inf"), -float("inf")])  # fmt: skip
+
+    def fill(t: torch.Tensor, latent: bool) -> None:
+        flat = t.reshape(-1)
+        vals = torch.cat((special, ties)) if latent else ties
+        vals = vals[torch.randperm(vals.numel(), generator=gen)]
+        # Past the crafted values: random magnitudes over the whole fp8 range and beyond.
+        rest = torch.randn(flat.numel(), generator=gen) * torch.exp2(torch.randint(-12, 10, (flat.numel(),),
+                                                                                   generator=gen).float())  # fmt: skip
+        rest[: min(vals.numel(), flat.numel())] = vals[: flat.numel()]
+        if not latent:
+            rest[rest == 0] = 1.0
+        flat.copy_(rest.to(flat.device))
+
+    for name, latent in (("kv_c", True), ("ql_nope", True), ("k_pe", False), ("q_pe", False)):
+        fill(getattr(case, name), latent)
+    half = R // 2
+    max_pos = case.cos_sin_cache.shape[0]
+    case.cos_sin_cache = torch.cat((torch.ones(max_pos, half), torch.zeros(max_pos, half)), -1).to(device)
+    case.snapshot()
+    return case
+
+
+def out_of_range_slot_case(*, T: int = 7, H: int = 2, block_size: int, index_dtype: torch.dtype, far: bool = True,
+                           make=None, **kw):  # fmt: skip
+    """``(case, capacity)``: a cache that is a view into a larger buffer with canary rows after
+    it (checked through its parent), and slot_mapping ``[0, capacity, 5, capacity + 2, 10**9,
+    capacity - 1, huge, ...]``. Entries at or past the capacity must write nothing: neither into
+    the guard rows nor anywhere past the allocation (10**9 and ``huge`` are far beyond it).
+    ``far=False`` keeps every bad slot inside the guard rows, so that an unguarded kernel fails
+    an assertion instead of crashing the process. ``make`` (default :func:`make_case`) builds the
+    case from the keyword arguments."""
+    guard_rows = 3 * block_size + 4
+    case = (make or make_case)(T=T, H=H, block_size=block_size, index_dtype=index_dtype, pad_every=0,
+                               guard_rows=guard_rows, **kw)  # fmt: skip
+    cap = case.kv_cache.shape[0] * case.kv_cache.shape[1]
+    huge = 2**31 - 1 if index_dtype == torch.int32 else 2**62
+    far_slots = (10**9, huge) if far else (cap + 1, cap + guard_rows // block_size - 1)
+    bad = torch.tensor([0, cap, 5, cap + 2, far_slots[0], cap - 1, far_slots[1]], dtype=index_dtype)
+    n = min(T, bad.numel())
+    # The other entries: distinct valid slots, none of the three the bad list writes.
+    pool = torch.tensor([s for s in range(cap) if s not in (0, 5, cap - 1)], dtype=index_dtype)
+    gen = torch.Generator().manual_seed(kw.get("seed", 0) + 7)
+    rest = pool[torch.randperm(pool.numel(), generator=gen)][: case.slot_mapping.numel() - n]
+    case.slot_mapping.copy_(torch.cat((bad[:n], rest)).to(case.slot_mapping.device))
+    case.snapshot()
+    return case, cap

@@ -5,11 +5,14 @@ Written from the specification, not from the package: nothing here imports
 lists, the cache write token by token, and every comparison carries its
 tolerance contract:
 
-- non-fp8 outputs: within one rounding of the output dtype of the float64
-  value, plus the error of float32 arithmetic (the spec computes in float32);
-- fp8 outputs: within one fp8 ulp of ``saturate(ref / scale)``, never inf;
-- copied latent values (kv_c, ql_nope) into a non-fp8 output: exact when the
-  output dtype holds the input dtype;
+- rotated values: within half a step of the output format's grid (one
+  round-to-nearest) of the float64 value, divided by the scale and saturated
+  for fp8, plus the error of float32 arithmetic (the spec computes in
+  float32), never inf;
+- copied latent values (kv_c, ql_nope): byte-identical to torch's own
+  conversion of the input, ``x.to(dtype)``, or for fp8 ``saturate(x / scale)``
+  with the division in float32 (the spec's definition, ties to even);
+- slots outside ``[0, num_blocks * block_size)`` write nothing;
 - everything the op must not write: byte-identical.
 """
 
@@ -70,26 +73,27 @@ def fp8_dtype_of(cache: torch.Tensor, kv_cache_dtype: str) -> torch.dtype | None
     return None
 
 
+def grid_step(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of ``dtype``'s representable values at ``|x|`` (float64): ``2**(e - mantissa bits)``
+    in the binade ``[2**e, 2**(e+1))``, the subnormal step below the smallest normal."""
+    e = torch.frexp(x.double().abs().clamp_min(torch.finfo(dtype).smallest_normal))[1] - 1
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float64), e - MANTISSA_BITS[dtype])
+
+
 def assert_close_to_ref(out: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor | None, what: str,
                         scale: float = 1.0) -> None:  # fmt: skip
-    """``out`` (any float or fp8 dtype) against the float64 ``ref`` (before scaling)."""
+    """``out`` (any float or fp8 dtype) against the float64 ``ref`` (before scaling): one
+    round-to-nearest of the float32 result, i.e. half a grid step plus the float32 error."""
     dtype = out.dtype
     got = out.double()
     assert torch.isfinite(got).all() or not torch.isfinite(ref).all(), f"{what}: non-finite output"
+    want = ref / scale
     if dtype in FP8:
         fmax = torch.finfo(dtype).max
-        want = (ref / scale).clamp(-fmax, fmax)
-        ulp = 2.0 ** -MANTISSA_BITS[dtype]
-        tiny = torch.finfo(dtype).smallest_normal * ulp  # the smallest subnormal step
-        tol = want.abs() * ulp + tiny
-        if mag is not None:
-            tol = tol + mag / scale * 2.0**-21
-    else:
-        want = ref
-        eps = 2.0 ** -MANTISSA_BITS[dtype]
-        tol = want.abs() * eps + torch.finfo(dtype).smallest_normal
-        if mag is not None:
-            tol = tol + mag * 2.0**-21  # float32 products and sum, before the final rounding
+        want = want.clamp(-fmax, fmax)
+    # float32 products and sum before the final rounding (also divided by the scale).
+    f32_err = mag / scale * 2.0**-21 if mag is not None else torch.zeros_like(want)
+    tol = grid_step(want.abs() + f32_err, dtype) / 2 + f32_err
     err = (got - want).abs()
     bad = err > tol
     assert not bad.any(), (
@@ -151,11 +155,37 @@ class Case:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
+    if t.numel() == 0:  # an empty strided view stays "contiguous" with its strides, which view() refuses
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
     return t.contiguous().view(torch.uint8)
 
 
 def _cpu(t):
     return None if t is None else t.cpu()
+
+
+def stored_copy(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """What a copied (not rotated) value must store, exactly: torch's cast, or for fp8 torch's
+    float32 ``x / scale`` saturated to the finite range and rounded to nearest even."""
+    if dtype not in FP8:
+        return x.to(dtype)
+    y = x.float()
+    if scale is not None:
+        y = y / scale.cpu().float()
+    fmax = torch.finfo(dtype).max
+    return y.clamp(-fmax, fmax).to(dtype)
+
+
+def assert_bytes_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype, got.shape, want.shape)
+    if got.numel() == 0:
+        return
+    bad = _bytes(got).view(got.numel(), -1) != _bytes(want).view(want.numel(), -1)
+    bad = bad.any(-1).view(got.shape)
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} of {bad.numel()} elements differ from torch's conversion; first at "
+        f"{tuple(int(i) for i in torch.nonzero(bad)[0])}: got {got[bad][0].item()}, want {want[bad][0].item()}"
+    )
 
 
 def _check_cache(case: Case, k_rot: torch.Tensor, k_mag: torch.Tensor) -> None:
@@ -164,24 +194,18 @@ def _check_cache(case: Case, k_rot: torch.Tensor, k_mag: torch.Tensor) -> None:
     L = case.kv_c.shape[-1]
     f8 = fp8_dtype_of(cache, case.kv_cache_dtype)
     scale = 1.0 if case.kv_cache_scale is None else float(case.kv_cache_scale.cpu().item())
-    block_size = cache.shape[1]
+    num_blocks, block_size = cache.shape[:2]
     slots = _cpu(case.slot_mapping)[:T].long()
-    keep = slots >= 0
+    # Padding (< 0) and slots past the cache's capacity write nothing.
+    keep = (slots >= 0) & (slots < num_blocks * block_size)
     tokens = keep.nonzero().flatten()
     blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
     rows = cache[blocks, offsets]  # the written rows, in token order (slots are unique)
     kv_c = _cpu(case.kv_c).reshape(T, L)[tokens]
     k_rot, k_mag = k_rot[tokens], k_mag[tokens]
-    if f8 is not None:
-        rows = rows.view(f8) if rows.dtype == torch.uint8 else rows
-        assert_close_to_ref(rows[:, :L], kv_c.double(), None, "kv_cache latent part", scale)
-        assert_close_to_ref(rows[:, L:], k_rot, k_mag, "kv_cache rope part", scale)
-    else:
-        if rows.dtype in (kv_c.dtype, torch.float32):  # the cache holds every kv_c value exactly
-            assert torch.equal(rows[:, :L].to(kv_c.dtype), kv_c), "kv_cache latent part is not an exact copy of kv_c"
-        else:
-            assert_close_to_ref(rows[:, :L], kv_c.double(), None, "kv_cache latent part")
-        assert_close_to_ref(rows[:, L:], k_rot, k_mag, "kv_cache rope part")
+    rows = rows.view(f8) if f8 is not None and rows.dtype == torch.uint8 else rows
+    assert_bytes_equal(rows[:, :L], stored_copy(kv_c, rows.dtype, _cpu(case.kv_cache_scale)), "kv_cache latent part")
+    assert_close_to_ref(rows[:, L:], k_rot, k_mag, "kv_cache rope part", scale if f8 is not None else 1.0)
     untouched = torch.ones(cache.shape[:2], dtype=torch.bool)
     untouched[blocks, offsets] = False
     assert torch.equal(_bytes(cache[untouched]), _bytes(orig[untouched])), "a cache row that no slot names changed"
@@ -228,20 +252,33 @@ def check_decode_rope_cache_write(case: Case) -> None:
     k_rot, k_mag = rope64(o["k_pe"].reshape(T, R), pos, cos_sin_cache, case.is_neox)
     q_out, ql_nope = _cpu(case.q_out), _cpu(case.ql_nope)
     nope, rope = (q_out[..., :L], q_out[..., L:]) if case.is_nope_first else (q_out[..., R:], q_out[..., :R])
-    q_scale = 1.0 if case.q_scale is None else float(case.q_scale.cpu().item())
-    if q_out.dtype in FP8:
-        assert_close_to_ref(nope, ql_nope.double(), None, "q_out nope part", q_scale)
-        assert_close_to_ref(rope, q_rot, q_mag, "q_out rope part", q_scale)
-    else:
-        if q_out.dtype in (ql_nope.dtype, torch.float32):
-            assert torch.equal(nope.to(ql_nope.dtype), ql_nope), "q_out nope part must be an exact copy of ql_nope"
-        else:
-            assert_close_to_ref(nope, ql_nope.double(), None, "q_out nope part")
-        assert_close_to_ref(rope, q_rot, q_mag, "q_out rope part")
+    fp8_q = q_out.dtype in FP8
+    q_scale = 1.0 if case.q_scale is None or not fp8_q else float(case.q_scale.cpu().item())
+    assert_bytes_equal(nope, stored_copy(ql_nope, q_out.dtype, _cpu(case.q_scale)), "q_out nope part")
+    assert_close_to_ref(rope, q_rot, q_mag, "q_out rope part", q_scale)
     _check_cache(case, k_rot, k_mag)
     _check_parents(case)
 
 
+def check_identity_rope_stores(case: Case) -> None:
+    """With cos 1 and sin 0 the rotation is exact, so the rope parts of the written cache rows and
+    of q_out must be byte-identical to torch's conversion of k_pe and q_pe themselves."""
+    T, H, R = case.q_pe.shape
+    L = case.kv_c.shape[-1]
+    cache = _cpu(case.kv_cache)
+    f8 = fp8_dtype_of(cache, case.kv_cache_dtype)
+    nb, bs = cache.shape[:2]
+    slots = _cpu(case.slot_mapping)[:T].long()
+    keep = (slots >= 0) & (slots < nb * bs)
+    rows = cache[slots[keep] // bs, slots[keep] % bs]
+    rows = rows.view(f8) if f8 is not None and rows.dtype == torch.uint8 else rows
+    k_pe = _cpu(case.originals["k_pe"]).reshape(T, R)[keep]
+    assert_bytes_equal(rows[:, L:], stored_copy(k_pe, rows.dtype, _cpu(case.kv_cache_scale)), "kv_cache rope part")
+    if case.q_out is not None:
+        q_out = _cpu(case.q_out)
+        rope = q_out[..., L:] if case.is_nope_first else q_out[..., :R]
+        want = stored_copy(_cpu(case.originals["q_pe"]), q_out.dtype, _cpu(case.q_scale))
+        assert_bytes_equal(rope, want, "q_out rope part")
 def check_prefill_rope_cache_write(case: Case) -> None:
     """After ``mla_prefill_rope_cache_write``: everything op 1 guarantees, plus the key
     ``k_out[t, h] = [k_nope[t, h] | rope(k_pe[t])]`` for every token (padding included).

@@ -1,4 +1,5 @@
-"""The op matrix on a real GPU at DeepSeek-V3 sizes, CUDA-graph capture/replay, 64-bit addressing.
+"""The op matrix on a real GPU at DeepSeek-V3 sizes, CUDA-graph capture/replay, 64-bit addressing,
+slots past the cache, every tensor layout, and bit-exact scaled fp8 stores.
 
 Marked ``gpu``: skipped (with the reason) on machines without one. Run on an
 H200 by scripts/gpu_check.sh.
@@ -14,9 +15,10 @@ import vllm_mla_fusion as mla
 pytest.importorskip("triton", reason="the GPU tests run the Triton kernel")
 from vllm_mla_fusion.backends import triton as triton_backend  # noqa: E402
 
-from .mla_cases import make_case  # noqa: E402
+from .mla_cases import FP8_DTYPES, make_case, out_of_range_slot_case, scaled_fp8_case  # noqa: E402
 from .mla_reference import (  # noqa: E402
     check_decode_rope_cache_write,
+    check_identity_rope_stores,
     check_prefill_rope_cache_write,
     check_rope_cache_write,
 )
@@ -200,6 +202,90 @@ def test_addressing_past_2_to_the_31_elements():
     torch.testing.assert_close(rows[:, :L], case.kv_c.to(torch.bfloat16), rtol=0, atol=0)
     # Rows between the written ones still hold the canary, and the start was not hit by a wrapped index.
     assert (flat[last - 1] == 7.0).all() and (kv_cache[0] == 3.0).all()
+
+
+def _gpu_case(op: str, store: str, **kw):
+    """A DeepSeek-V3-sized case for ``op`` on the GPU: bf16, or an fp8 cache and fp8 q_out/k_out."""
+    kw = {**DSV3, "nope_dim": 128, **kw}
+    if store == "fp8":
+        kw.update(cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.37)
+        kw.update({"decode": dict(q_out_dtype=torch.float8_e4m3fn, q_scale=0.7),
+                   "prefill": dict(k_out_dtype=torch.float8_e4m3fn)}.get(op, {}))  # fmt: skip
+    return make_case(decode=op == "decode", prefill=op == "prefill", device="cuda", **kw)
+
+
+def _run_and_check(op: str, case) -> None:
+    if op == "decode":
+        mla.mla_decode_rope_cache_write(*case.decode_args(), is_nope_first=case.is_nope_first, backend="triton")
+        check_decode_rope_cache_write(case)
+    elif op == "prefill":
+        mla.mla_prefill_rope_cache_write(*case.prefill_args(), backend="triton")
+        check_prefill_rope_cache_write(case)
+    else:
+        mla.mla_rope_cache_write(*case.rope_args(), backend="triton")
+        check_rope_cache_write(case)
+
+
+# (op, block size, index dtype, store kind): every op, both block sizes, both index dtypes and
+# both store kinds, pairwise, so that compute-sanitizer runs them all in seconds.
+SLOT_CASES = [("rope_cache_write", 1, torch.int64, "bf16"), ("decode", 64, torch.int32, "fp8"),
+              ("prefill", 64, torch.int32, "fp8"), ("rope_cache_write", 64, torch.int32, "fp8"),
+              ("decode", 1, torch.int64, "bf16"), ("prefill", 1, torch.int64, "bf16")]  # fmt: skip
+
+
+@pytest.mark.parametrize("op,block_size,index_dtype,store", SLOT_CASES, ids=str)
+def test_out_of_range_slots_write_nothing(op, block_size, index_dtype, store):
+    """slot_mapping [0, capacity, 5, capacity + 2, 10**9, capacity - 1, huge, random valid...]:
+    the slots at or past the cache's capacity write nothing (canary rows after the cache stay
+    byte-identical; scripts/gpu_check.sh's memcheck sees no access past the allocation), the
+    rest of the batch is as specified."""
+    case, cap = out_of_range_slot_case(T=40, H=16, block_size=block_size, index_dtype=index_dtype, seed=block_size,
+                                       make=lambda **kw: _gpu_case(op, store, **kw))  # fmt: skip
+    _run_and_check(op, case)
+
+
+# Layouts the CPU tests cover one tensor at a time, here grouped at DeepSeek-V3 sizes: on a GPU
+# Triton specializes unit strides, so a non-unit stride compiles a different kernel. Names of
+# tensors another op does not take are dropped for it.
+GPU_LAYOUTS = [
+    (dict(inner_stride=("positions", "slot_mapping", "q_pe", "k_pe", "kv_c", "cos_sin_cache", "ql_nope", "q_out",
+                        "k_nope", "k_out")), "bf16"),
+    (dict(transposed=("q_pe", "cos_sin_cache", "ql_nope", "q_out", "k_nope", "k_out")), "bf16"),
+    (dict(inner_stride=("kv_cache",)), "bf16"),
+    (dict(transposed=("kv_cache", "kv_c")), "fp8"),
+    (dict(inner_stride=("kv_cache_scale", "q_scale", "k_out")), "fp8"),
+    (dict(kv_c_3d=True, k_pe_3d=True), "bf16"),
+    (dict(L=640), "bf16"),
+    (dict(L=1024), "fp8"),
+]  # fmt: skip
+_OTHER_OPS_TENSORS = {"rope_cache_write": ("ql_nope", "q_out", "q_scale", "k_nope", "k_out"),
+                      "decode": ("k_nope", "k_out"), "prefill": ("ql_nope", "q_out", "q_scale")}  # fmt: skip
+
+
+@pytest.mark.parametrize("op", ["rope_cache_write", "decode", "prefill"])
+@pytest.mark.parametrize("layout,store", GPU_LAYOUTS, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items())
+                         if isinstance(v, dict) else v)  # fmt: skip
+def test_layouts_dsv3(op, layout, store):
+    layout = {k: tuple(n for n in v if n not in _OTHER_OPS_TENSORS[op]) if k in ("inner_stride", "transposed") else v
+              for k, v in layout.items()}  # fmt: skip
+    _run_and_check(op, _gpu_case(op, store, T=33, H=16, seed=17, **layout))
+
+
+@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=str)
+@pytest.mark.parametrize("scale", [0.37, 1 / 3, 2.5], ids=lambda s: f"{s:.3g}")
+@pytest.mark.parametrize("native", [True, False], ids=["native_conversion", "bit_encoder"])
+def test_scaled_fp8_stores_are_bit_exact(monkeypatch, dtype, scale, native):
+    """Every scaled fp8 store (cache latent and rope parts, q_out nope and rope parts) is
+    byte-identical to torch's saturate(x / scale) on the GPU (float32 division), over random
+    inputs and crafted near-ties and ties of the fp8 grid (tests/mla_cases.py, fp8_near_ties),
+    through the GPU's fp8 conversion and through the kernel's bit encoder. Identity cos/sin make
+    the rotated values exact, so the rope parts are compared bit for bit too."""
+    if not native:
+        monkeypatch.setattr(triton_backend, "_native_fp8_ok", lambda device, dtype: False)
+    case = scaled_fp8_case(dtype, scale, T=64, H=16, L=512, R=64, device="cuda", seed=41)
+    mla.mla_decode_rope_cache_write(*case.decode_args(), backend="triton")
+    check_decode_rope_cache_write(case)  # latent parts byte-exact
+    check_identity_rope_stores(case)
 
 
 SANITIZE_CASES = [

@@ -13,8 +13,13 @@ import torch
 import vllm_mla_fusion as mla
 
 from .conftest import OP_BACKENDS
-from .mla_cases import make_case
-from .mla_reference import check_decode_rope_cache_write, check_prefill_rope_cache_write, check_rope_cache_write
+from .mla_cases import FP8_DTYPES, LAYOUT_NAMES, fp8_near_ties, make_case, out_of_range_slot_case, scaled_fp8_case
+from .mla_reference import (
+    check_decode_rope_cache_write,
+    check_identity_rope_stores,
+    check_prefill_rope_cache_write,
+    check_rope_cache_write,
+)
 
 # (T, H): decode-sized, prefill-sized and odd shapes.
 SIZES = [(1, 1), (2, 16), (5, 3), (8, 128), (37, 3), (64, 16)]
@@ -61,8 +66,10 @@ def test_rope_cache_write_sizes(backend, T, H, is_neox):
 @pytest.mark.parametrize("cache_dtype,kv_cache_dtype,scale", CACHES, ids=CACHE_IDS)
 @pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_rope_cache_write_dtypes(backend, cache_dtype, kv_cache_dtype, scale, act_dtype):
+    # The seed is a function of the parameters that is stable across processes (hash() of a str is not).
+    seed = CACHES.index((cache_dtype, kv_cache_dtype, scale)) * 10 + act_dtype.itemsize
     case = make_case(T=9, H=2, cache_dtype=cache_dtype, kv_cache_dtype=kv_cache_dtype, scale=scale,
-                     act_dtype=act_dtype, seed=hash((str(cache_dtype), kv_cache_dtype)) % 1000)  # fmt: skip
+                     act_dtype=act_dtype, seed=seed)  # fmt: skip
     _run_rope(case, backend)
 
 
@@ -85,6 +92,13 @@ def test_rope_cache_write_dtypes(backend, cache_dtype, kv_cache_dtype, scale, ac
         dict(L=16, R=128),
         dict(L=512, R=64, T=3, H=4),  # DeepSeek dims
         dict(R=2, L=32),
+        # Latent wider than one tile (BLOCK_L is capped at 512): the kernel's tail loop.
+        dict(L=640, R=64, T=3, H=2),
+        dict(L=1024, R=16, T=2, H=2, cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.3),
+        # Both documented ranks of kv_c and k_pe.
+        dict(kv_c_3d=True),
+        dict(kv_c_3d=True, k_pe_3d=True),
+        dict(kv_c_3d=True, k_pe_3d=True, strided=False, T=1),
     ],
     ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()),
 )
@@ -135,6 +149,11 @@ def test_decode_dtypes(backend, cache_dtype, kv_cache_dtype, scale, q_out_dtype,
         dict(strided=False, k_pe_3d=True, cs_dtype=torch.bfloat16),
         dict(L=48, R=10, is_neox=True),
         dict(L=512, R=64, T=2, H=16),
+        dict(L=640, R=64, T=3, H=2),
+        dict(L=1024, R=16, T=2, H=3, cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.3,
+             q_out_dtype=torch.float8_e4m3fn, q_scale=0.4),
+        dict(kv_c_3d=True),
+        dict(kv_c_3d=True, k_pe_3d=True, is_nope_first=False),
     ],
     ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()),
 )
@@ -142,6 +161,108 @@ def test_decode_layouts(backend, layout):
     layout = {"T": 9, "H": 2, **layout}
     case = make_case(decode=True, seed=3, **layout)
     _run_decode(case, backend)
+
+
+OPS = ("rope_cache_write", "decode", "prefill")
+_RUN = {"rope_cache_write": _run_rope, "decode": _run_decode, "prefill": _run_prefill}
+# The tensors only one op takes.
+OP_ONLY = {"ql_nope": "decode", "q_out": "decode", "q_scale": "decode", "k_nope": "prefill", "k_out": "prefill"}
+
+
+def _op_case(op: str, store: str, **kw):
+    """A case for ``op`` with bf16 outputs, or with an fp8 cache and fp8 q_out/k_out (scaled where
+    the op takes a scale: the key has none)."""
+    if store == "fp8":
+        kw = dict(cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.37, **kw)
+        if op == "decode":
+            kw.update(q_out_dtype=torch.float8_e4m3fn, q_scale=0.7)
+        if op == "prefill":
+            kw.update(k_out_dtype=torch.float8_e4m3fn)
+    return make_case(decode=op == "decode", prefill=op == "prefill", **kw)
+
+
+# (tensor, relayout) for every tensor argument: a last-dim stride of 2 at an odd offset into a
+# wider parent, or the first two dims swapped in memory (column-major cos/sin, ql_nope as a
+# per-head bmm output, a head-major q_out or k_out, a block-minor cache).
+RELAYOUTS = [(name, "inner_stride") for name in LAYOUT_NAMES] + [
+    (name, "transposed")
+    for name in ("q_pe", "k_pe", "kv_c", "cos_sin_cache", "kv_cache", "ql_nope", "q_out", "k_nope", "k_out")
+]
+# Only combinations that mean something: a tensor of another op's signature is not an argument, a
+# scale is read only for fp8 outputs.
+RELAYOUT_CASES = [
+    (op, store, name, how)
+    for op in OPS
+    for store in ("bf16", "fp8")
+    for name, how in RELAYOUTS
+    if OP_ONLY.get(name, op) == op and (store == "fp8" or not name.endswith("scale"))
+]
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@pytest.mark.parametrize("op,store,name,how", RELAYOUT_CASES, ids=["-".join(c) for c in RELAYOUT_CASES])
+def test_every_tensor_in_any_layout(backend, op, store, name, how):
+    """Each tensor argument with a non-unit inner stride (or non-contiguous), one at a time:
+    results as specified, and the parent's bytes around the view untouched."""
+    case = _op_case(op, store, T=7, H=3, seed=RELAYOUTS.index((name, how)), **{how: (name,)})
+    t = getattr(case, name)
+    assert not t.is_contiguous() or t.numel() <= 1 and t.storage_offset() == 1, f"{name} was not relaid out"
+    _RUN[op](case, backend)
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=str)
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+@pytest.mark.parametrize("far", [False, True], ids=["in_guard_rows", "far_past"])
+def test_slots_past_the_cache_write_nothing(backend, op, index_dtype, block_size, cache, far):
+    """A slot >= num_blocks * block_size is treated like a negative slot: no write, no crash, and
+    the rest of the batch (its q/k rotation, q_out or k_out, the in-range rows) unaffected."""
+    case, cap = out_of_range_slot_case(
+        make=lambda **kw: _op_case(op, cache, **kw), block_size=block_size, index_dtype=index_dtype, far=far,
+        seed=block_size + index_dtype.itemsize,
+    )  # fmt: skip
+    _RUN[op](case, backend)  # checks the guard rows through the parent
+    rows = case.kv_cache.view(-1, case.kv_cache.shape[-1])
+    before = case.originals["kv_cache"].view(rows.shape)
+    for slot in (0, 5, cap - 1):  # the in-range slots really were written (not left as canary)
+        assert not torch.equal(rows[slot], before[slot]), f"slot {slot} was not written"
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=str)
+def test_addressing_past_2_to_the_31_elements(backend, op, index_dtype):
+    """A bf16 cache of more than 2**31 elements written near its end: slot arithmetic must be
+    64-bit. ~4.3 GB allocated with torch.empty, but only the touched pages become resident
+    (under 1 GB with the interpreter), so this runs on a CPU in a few seconds."""
+    L, R, bs = 512, 64, 64
+    num_blocks = (2**31 // (bs * (L + R))) + 8
+    kv_cache = torch.empty(num_blocks, bs, L + R, dtype=torch.bfloat16)
+    assert kv_cache.numel() > 2**31
+    T, H = 4, 2
+    case = _op_case(op, "bf16", T=T, H=H, L=L, R=R, block_size=bs, pad_every=0, seed=5)
+    last = num_blocks * bs - 1
+    slots = torch.tensor([last - 3 * i for i in range(T)], dtype=index_dtype)
+    flat = kv_cache.view(-1, L + R)
+    canary = {r: float(i + 2) for i, r in enumerate((0, 1, last - 1, last - 2, last - 4, last - 5))}
+    for r, v in canary.items():
+        flat[r].fill_(v)
+    c = case
+    if op == "decode":
+        mla.mla_decode_rope_cache_write(c.positions, c.ql_nope, c.q_pe, c.k_pe, c.kv_c, c.cos_sin_cache, False, slots,
+                                        kv_cache, c.q_out, backend=backend)  # fmt: skip
+    elif op == "prefill":
+        mla.mla_prefill_rope_cache_write(c.positions, c.q_pe, c.k_pe, c.kv_c, c.k_nope, c.cos_sin_cache, False, slots,
+                                         kv_cache, c.k_out, backend=backend)  # fmt: skip
+    else:
+        mla.mla_rope_cache_write(c.positions, c.q_pe, c.k_pe, c.kv_c, c.cos_sin_cache, False, slots, kv_cache,
+                                 backend=backend)  # fmt: skip
+    rows = flat[slots.long()]
+    assert torch.equal(rows[:, :L], case.kv_c), "rows near the end of the cache hold kv_c"
+    for r, v in canary.items():  # neighbours, and the start a wrapped 32-bit index would hit
+        assert (flat[r] == v).all(), f"row {r} changed"
 
 
 @pytest.mark.parametrize("backend", OP_BACKENDS)
@@ -217,6 +338,31 @@ def test_fp8_rounding_matches_torch_bit_for_bit(backend, dtype):
     )
 
 
+# 0.37 and 1/3: the reciprocal product rounds to the other side of a boundary for dozens of the
+# near-tie values (asserted below); 2.5 has few significant bits, so x / 2.5 hits ties exactly.
+SCALES = [0.37, 1 / 3, 2.5]
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=str)
+@pytest.mark.parametrize("scale", SCALES, ids=lambda s: f"{s:.3g}")
+def test_scaled_fp8_stores_match_torch_bit_for_bit(backend, dtype, scale):
+    """With a scale, every fp8 store (cache latent and rope parts, q_out nope and rope parts) is
+    byte-identical to torch's saturate(x / scale) with the float32 division, on values whose
+    quotient is on or next to an fp8 rounding boundary. (The interpreter's fma is made exact by
+    tests/exact_interpreter.py, so this runs the kernel's reciprocal + residual algorithm as a GPU
+    does; test_gpu.py repeats it on the GPU.)"""
+    x = fp8_near_ties(dtype, scale)
+    s = torch.tensor(scale, dtype=torch.float32)
+    fmax = torch.finfo(dtype).max
+    exact = (x / s).clamp(-fmax, fmax).to(dtype).view(torch.uint8)
+    if scale == 2.5:
+        assert ((x.double() / s.double()) == (x / s).double()).sum() >= 100, "2.5 must give exact ties"
+    else:  # the values distinguish a correctly rounded quotient from the bare reciprocal product
+        assert ((x * (1 / s)).clamp(-fmax, fmax).to(dtype).view(torch.uint8) != exact).sum() >= 20
+    case = scaled_fp8_case(dtype, scale, T=4, H=2, L=512, R=16, seed=31)
+    _run_decode(case, backend)  # latent parts byte-exact, rope within one rounding
+    check_identity_rope_stores(case)  # rope parts byte-exact too
 @pytest.mark.parametrize("backend", OP_BACKENDS)
 @pytest.mark.parametrize("T,H", [(1, 1), (3, 16), (7, 3), (2, 128), (33, 2)])
 @pytest.mark.parametrize("is_neox", [False, True])
@@ -258,6 +404,8 @@ def test_prefill_dtypes(backend, cache_dtype, kv_cache_dtype, scale, k_out_dtype
         dict(L=48, R=10, nope_dim=20, is_neox=True),
         dict(nope_dim=700, H=2, T=3),  # a nope width past one 512-column tile
         dict(L=512, R=64, nope_dim=128, T=2, H=16),  # DeepSeek dims
+        dict(L=640, R=64, nope_dim=128, T=3, H=2),  # a latent width past one tile
+        dict(kv_c_3d=True, k_pe_3d=True),  # both documented ranks
     ],
     ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()),
 )

@@ -1,4 +1,4 @@
-"""Property-based tests (hypothesis): random shapes, layouts, dtypes, padding and positions,
+"""Property-based tests (hypothesis): random shapes, layouts (strides, ranks), dtypes, padding and positions,
 every backend this machine runs, each result checked against the float64 reference
 (written rows, untouched canary rows and neighbouring bytes, in-place outputs).
 
@@ -60,6 +60,11 @@ def layouts(draw, decode: bool = False, prefill: bool = False):
         index_dtype=draw(st.sampled_from([torch.int32, torch.int64])),
         strided=draw(st.booleans()),
         k_pe_3d=draw(st.booleans()),
+        kv_c_3d=draw(st.booleans()),
+        # Mostly vLLM's layouts, sometimes a tensor with a non-unit inner stride or swapped dims.
+        inner_stride=draw(st.sampled_from([(), (), (), ("q_pe", "kv_c"), ("kv_cache",), ("cos_sin_cache", "positions"),
+                                           ("slot_mapping", "k_pe"), ("q_out", "ql_nope", "q_scale")])),
+        transposed=draw(st.sampled_from([(), (), (), ("cos_sin_cache",), ("q_out", "ql_nope"), ("kv_cache",)])),
         pad_every=draw(st.integers(0, 4)),
         scale=draw(st.sampled_from([None, 0.1, 1.0, 3.7])) if fp8_cache else draw(st.sampled_from([None, 2.0])),
         positions=draw(st.sampled_from(["random", "edges", "out_of_range"])),

@@ -2,33 +2,50 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 import vllm_mla_fusion as mla
+from vllm_mla_fusion import fp8, validation
 
 from .conftest import OP_BACKENDS
-from .mla_cases import make_case
+from .mla_cases import make_case, out_of_range_slot_case
+from .mla_reference import check_decode_rope_cache_write, check_prefill_rope_cache_write, check_rope_cache_write
 
 ENTRY_POINTS = ["public", "custom_op"]
 
 
-def _call(case, entry, backend, decode):
-    if decode:
+OPS = ("rope_cache_write", "decode", "prefill")
+
+
+def _case(op, **kw):
+    return make_case(decode=op == "decode", prefill=op == "prefill", **kw)
+
+
+def _call(case, entry, backend, op):
+    if op == "decode":
         args = case.decode_args()
         if entry == "public":
-            mla.mla_decode_rope_cache_write(*args, backend=backend)
+            mla.mla_decode_rope_cache_write(*args, is_nope_first=case.is_nope_first, backend=backend)
         else:
-            torch.ops.mla_fusion.mla_decode_rope_cache_write(*args, True, backend)
+            torch.ops.mla_fusion.mla_decode_rope_cache_write(*args, case.is_nope_first, backend or "auto")
+    elif op == "prefill":
+        args = case.prefill_args()
+        if entry == "public":
+            mla.mla_prefill_rope_cache_write(*args, backend=backend)
+        else:
+            torch.ops.mla_fusion.mla_prefill_rope_cache_write(*args, backend or "auto")
     else:
         args = case.rope_args()
         if entry == "public":
             mla.mla_rope_cache_write(*args, backend=backend)
         else:
-            torch.ops.mla_fusion.mla_rope_cache_write(*args, backend)
+            torch.ops.mla_fusion.mla_rope_cache_write(*args, backend or "auto")
 
 
-WRITABLE = ("q_pe", "k_pe", "kv_cache", "q_out")
+WRITABLE = ("q_pe", "k_pe", "kv_cache", "q_out", "k_out")
 
 
 def _live(case):
@@ -41,79 +58,177 @@ def _unchanged(case, live=None):
         assert torch.equal(t.view(torch.uint8), case.originals[name].view(torch.uint8)), f"{name} was written"
 
 
-# (description, mutation of the case, expected exception, words the message must contain)
-ROPE_BAD = [
-    ("q_pe rank", lambda c: setattr(c, "q_pe", c.q_pe[:, 0]), ValueError, "q_pe"),
-    ("k_pe rows", lambda c: setattr(c, "k_pe", c.k_pe[:-1]), ValueError, "k_pe"),
-    ("k_pe two heads", lambda c: setattr(c, "k_pe", torch.stack((c.k_pe, c.k_pe), 1)), ValueError, "k_pe"),
-    ("kv_c rows", lambda c: setattr(c, "kv_c", c.kv_c[:-1]), ValueError, "kv_c"),
-    ("positions short", lambda c: setattr(c, "positions", c.positions[:2]), ValueError, "positions"),
-    ("positions 2-D", lambda c: setattr(c, "positions", c.positions[:, None]), ValueError, "positions"),
-    ("slot_mapping short", lambda c: setattr(c, "slot_mapping", c.slot_mapping[:3]), ValueError, "slot_mapping"),
-    ("slot_mapping float", lambda c: setattr(c, "slot_mapping", c.slot_mapping.float()), TypeError, "slot_mapping"),
-    ("positions float", lambda c: setattr(c, "positions", c.positions.double()), TypeError, "positions"),
-    ("q_pe int", lambda c: setattr(c, "q_pe", c.q_pe.to(torch.int32)), TypeError, "q_pe"),
-    ("k_pe dtype", lambda c: setattr(c, "k_pe", c.k_pe.half()), TypeError, "k_pe"),
-    ("kv_c dtype", lambda c: setattr(c, "kv_c", c.kv_c.float()), TypeError, "kv_c"),
-    ("cos_sin dtype", lambda c: setattr(c, "cos_sin_cache", c.cos_sin_cache.half()), TypeError, "cos_sin_cache"),
-    ("cos_sin width", lambda c: setattr(c, "cos_sin_cache", c.cos_sin_cache[:, :8]), ValueError, "cos_sin_cache"),
+def _set(name, fn):
+    return lambda c: setattr(c, name, fn(getattr(c, name)))
+
+
+def _meta(name):
+    return _set(name, lambda t: t.to("meta"))
+
+
+def _r_zero(c):
+    c.q_pe, c.k_pe, c.cos_sin_cache = c.q_pe[..., :0], c.k_pe[..., :0], c.cos_sin_cache[:, :0]
+    c.kv_cache = c.kv_cache[..., : c.kv_c.shape[-1]]
+
+
+def _h_zero(c):
+    c.q_pe = c.q_pe[:, :0]
+    if c.q_out is not None:
+        c.ql_nope, c.q_out = c.ql_nope[:, :0], c.q_out[:, :0]
+    if c.k_out is not None:
+        c.k_nope, c.k_out = c.k_nope[:, :0], c.k_out[:, :0]
+
+
+def _l_zero(c):
+    L = c.kv_c.shape[-1]
+    c.kv_c, c.kv_cache = c.kv_c[:, :0], c.kv_cache[..., L:]
+    if c.q_out is not None:
+        c.ql_nope, c.q_out = c.ql_nope[..., :0], c.q_out[..., L:]
+
+
+def _typed_fp8_cache(c):
+    c.kv_cache = torch.zeros(c.kv_cache.shape, dtype=torch.float8_e4m3fn)
+    c.kv_cache_dtype = "fp8_e5m2"
+
+
+# Every rule of validation.py (and of fp8.cache_store_dtype) that both ops share:
+# (id, mutation of a valid case, expected exception, words the message must contain).
+COMMON_BAD = [
+    # None where a tensor belongs (the dispatcher lets None through to our checks)
+    *[(f"{n} None", _set(n, lambda t: None), TypeError, f"{n} must be a torch.Tensor")
+      for n in ("positions", "q_pe", "k_pe", "kv_c", "cos_sin_cache", "slot_mapping", "kv_cache")],
+    # dtypes
+    ("positions float", _set("positions", torch.Tensor.double), TypeError, "positions must have dtype in"),
+    ("slot_mapping float", _set("slot_mapping", torch.Tensor.float), TypeError, "slot_mapping must have dtype in"),
+    ("slot_mapping half", _set("slot_mapping", torch.Tensor.half), TypeError, "slot_mapping must have dtype in"),
+    ("q_pe int", _set("q_pe", lambda t: t.to(torch.int32)), TypeError, "q_pe must have dtype in"),
+    ("k_pe dtype", _set("k_pe", torch.Tensor.half), TypeError, "must match q_pe dtype"),
+    ("kv_c dtype", _set("kv_c", torch.Tensor.float), TypeError, "kv_c dtype torch.float32 must match"),
+    ("cos_sin dtype", _set("cos_sin_cache", torch.Tensor.half), TypeError, "cos_sin_cache must be float32 or"),
+    # ranks
+    ("positions 2-D", _set("positions", lambda t: t[:, None]), ValueError, "positions must be 1-D"),
+    ("slot_mapping 2-D", _set("slot_mapping", lambda t: t[:, None]), ValueError, "slot_mapping must be 1-D"),
+    ("q_pe rank", _set("q_pe", lambda t: t[:, 0]), ValueError, "q_pe must be 3-D"),
+    ("k_pe 1-D", _set("k_pe", lambda t: t[:, 0]), ValueError, "k_pe must be [num_tokens, rope_dim]"),
+    ("k_pe 4-D", _set("k_pe", lambda t: t[:, None, None]), ValueError, "k_pe must be [num_tokens, rope_dim]"),
+    ("kv_c 1-D", _set("kv_c", lambda t: t[:, 0]), ValueError, "kv_c must be [num_tokens, kv_lora_rank]"),
+    ("kv_c 4-D", _set("kv_c", lambda t: t[:, None, None]), ValueError, "kv_c must be [num_tokens, kv_lora_rank]"),
+    ("cos_sin 1-D", _set("cos_sin_cache", lambda t: t[0]), ValueError, "cos_sin_cache must be 2-D"),
+    ("cache rank", _set("kv_cache", lambda t: t.flatten(0, 1)), ValueError, "kv_cache must be 3-D"),
+    # heads of the single-head tensors: without the check a kernel would silently use head 0
+    ("k_pe two heads", _set("k_pe", lambda t: torch.stack((t, t), 1)), ValueError, "k_pe must have a single head"),
+    ("kv_c two heads", _set("kv_c", lambda t: torch.stack((t, t), 1)), ValueError, "kv_c must have a single head"),
+    # sizes
     ("R odd", lambda c: (setattr(c, "q_pe", c.q_pe[..., :15]), setattr(c, "k_pe", c.k_pe[:, :15])), ValueError,
-     "rope_dim"),
-    ("cache last dim", lambda c: setattr(c, "kv_cache", c.kv_cache[..., :-2]), ValueError, "kv_cache"),
-    ("cache rank", lambda c: setattr(c, "kv_cache", c.kv_cache.flatten(0, 1)), ValueError, "kv_cache"),
-    ("cache int32", lambda c: setattr(c, "kv_cache", c.kv_cache.view(torch.int16)), TypeError, "kv_cache"),
-    ("fp8 name on bf16 cache", lambda c: setattr(c, "kv_cache_dtype", "fp8"), ValueError, "kv_cache_dtype"),
+     "must be a positive even number"),
+    ("R zero", _r_zero, ValueError, "must be a positive even number"),
+    ("H zero", _h_zero, ValueError, "q_pe must have at least one head"),
+    ("L zero", _l_zero, ValueError, "kv_c must have a positive last dimension"),
+    ("k_pe rows", _set("k_pe", lambda t: t[:-1]), ValueError, "does not match q_pe's"),
+    ("k_pe width", _set("k_pe", lambda t: t[:, :-2]), ValueError, "does not match q_pe's"),
+    ("kv_c rows", _set("kv_c", lambda t: t[:-1]), ValueError, "kv_c has 5 rows but q_pe has T=6"),
+    ("positions short", _set("positions", lambda t: t[:2]), ValueError, "positions has 2 entries, fewer than"),
+    ("slot_mapping short", _set("slot_mapping", lambda t: t[:3]), ValueError, "slot_mapping has 3 entries, fewer than"),
+    ("cos_sin width", _set("cos_sin_cache", lambda t: t[:, :8]), ValueError, "cos_sin_cache last dim must equal"),
+    ("cos_sin no rows", _set("cos_sin_cache", lambda t: t[:0]), ValueError, "at least one position row"),
+    ("cache last dim", _set("kv_cache", lambda t: t[..., :-2]), ValueError, "kv_cache last dim must be"),
+    ("cache block size zero", _set("kv_cache", lambda t: t[:, :0]), ValueError, "block_size must be positive"),
+    # devices (meta tensors stand for another device: no GPU needed)
+    *[(f"{n} on another device", _meta(n), ValueError, f"{n} is on meta but q_pe is on cpu")
+      for n in ("positions", "k_pe", "kv_c", "cos_sin_cache", "slot_mapping", "kv_cache")],
+    # cache formats (fp8.cache_store_dtype)
+    ("cache int16", _set("kv_cache", lambda t: t.view(torch.int16)), TypeError, "kv_cache dtype torch.int16 is not"),
+    ("fp8 name on bf16 cache", lambda c: setattr(c, "kv_cache_dtype", "fp8"), ValueError, "does not match kv_cache dtype"),
+    ("float name mismatch", lambda c: setattr(c, "kv_cache_dtype", "float16"), ValueError, "'float16' does not match"),
     ("unknown cache dtype name", lambda c: setattr(c, "kv_cache_dtype", "fp8_ds_mla"), ValueError,
-     "kv_cache_dtype"),
-    ("uint8 cache with auto", lambda c: setattr(c, "kv_cache", c.kv_cache.view(torch.uint8)[..., : c.kv_cache.shape[-1]]),
-     ValueError, "kv_cache"),
-    ("scale two elements", lambda c: setattr(c, "kv_cache_scale", torch.ones(2)), ValueError, "kv_cache_scale"),
+     "kv_cache_dtype='fp8_ds_mla' is not supported"),
+    ("uint8 cache with auto", _set("kv_cache", lambda t: t.view(torch.uint8)[..., : t.shape[-1]]), ValueError,
+     "kv_cache is uint8 storage, so kv_cache_dtype must name"),
+    ("fp8 name mismatch typed cache", _typed_fp8_cache, ValueError, "'fp8_e5m2' does not match kv_cache dtype"),
+    # scale
+    ("scale two elements", lambda c: setattr(c, "kv_cache_scale", torch.ones(2)), ValueError, "kv_cache_scale must have exactly one"),
     ("scale float64", lambda c: setattr(c, "kv_cache_scale", torch.ones(1, dtype=torch.float64)), TypeError,
-     "kv_cache_scale"),
-    ("q_pe meta device", lambda c: setattr(c, "kv_c", c.kv_c.to("meta")), ValueError, "kv_c"),
-]
-
-
-@pytest.mark.parametrize("backend", OP_BACKENDS)
-@pytest.mark.parametrize("entry", ENTRY_POINTS)
-@pytest.mark.parametrize("what,mutate,exc,words", ROPE_BAD, ids=[b[0] for b in ROPE_BAD])
-def test_rope_cache_write_rejects(backend, entry, what, mutate, exc, words):
-    case = make_case(T=6, H=2, seed=1)
-    live = _live(case)
-    mutate(case)
-    with pytest.raises(exc, match=words):
-        _call(case, entry, backend, decode=False)
-    _unchanged(case, live)
-
-
-def test_fp8_name_must_match_typed_cache():
-    case = make_case(T=4, H=2, cache_dtype=torch.float8_e4m3fn, kv_cache_dtype="fp8_e5m2")
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
-        mla.mla_rope_cache_write(*case.rope_args())
-    _unchanged(case)
-
+     "kv_cache_scale must be a float32 tensor"),
+    ("scale on another device", lambda c: setattr(c, "kv_cache_scale", torch.ones(1, device="meta")), ValueError,
+     "kv_cache_scale is on meta"),
+]  # fmt: skip
 
 DECODE_BAD = [
-    ("q_out shape", lambda c: setattr(c, "q_out", c.q_out[..., :-1]), ValueError, "q_out"),
-    ("q_out int", lambda c: setattr(c, "q_out", c.q_out.view(torch.int16)), TypeError, "q_out"),
-    ("ql_nope heads", lambda c: setattr(c, "ql_nope", c.ql_nope[:, :1]), ValueError, "ql_nope"),
-    ("ql_nope dtype", lambda c: setattr(c, "ql_nope", c.ql_nope.float()), TypeError, "ql_nope"),
-    ("q_scale shape", lambda c: setattr(c, "q_scale", torch.ones(1, 2)), ValueError, "q_scale"),
-    ("q_scale int", lambda c: setattr(c, "q_scale", torch.ones(1, dtype=torch.int32)), TypeError, "q_scale"),
-    ("slot_mapping float", lambda c: setattr(c, "slot_mapping", c.slot_mapping.half()), TypeError, "slot_mapping"),
+    ("ql_nope None", _set("ql_nope", lambda t: None), TypeError, "ql_nope must be a torch.Tensor"),
+    ("q_out None", _set("q_out", lambda t: None), TypeError, "q_out must be a torch.Tensor"),
+    ("ql_nope dtype", _set("ql_nope", torch.Tensor.float), TypeError, "ql_nope dtype torch.float32 must match"),
+    ("q_out int", _set("q_out", lambda t: t.view(torch.int16)), TypeError, "q_out must have dtype in"),
+    ("ql_nope rank", _set("ql_nope", lambda t: t[:, 0]), ValueError, "ql_nope must be 3-D"),
+    ("q_out rank", _set("q_out", lambda t: t[:, 0]), ValueError, "q_out must be 3-D"),
+    ("ql_nope heads", _set("ql_nope", lambda t: t[:, :1]), ValueError, "ql_nope must have shape [T, H, L]"),
+    ("ql_nope width", _set("ql_nope", lambda t: t[..., :-1]), ValueError, "ql_nope must have shape [T, H, L]"),
+    ("q_out shape", _set("q_out", lambda t: t[..., :-1]), ValueError, "q_out must have shape [T, H, L + R]"),
+    ("ql_nope on another device", _meta("ql_nope"), ValueError, "ql_nope is on meta but q_pe is on cpu"),
+    ("q_out on another device", _meta("q_out"), ValueError, "q_out is on meta but q_pe is on cpu"),
+    ("q_scale shape", lambda c: setattr(c, "q_scale", torch.ones(1, 2)), ValueError, "q_scale must have exactly one"),
+    ("q_scale int", lambda c: setattr(c, "q_scale", torch.ones(1, dtype=torch.int32)), TypeError, "q_scale must be a float32 tensor"),
+    ("q_scale on another device", lambda c: setattr(c, "q_scale", torch.ones(1, device="meta")), ValueError,
+     "q_scale is on meta"),
+]  # fmt: skip
+
+# Python types that torch's dispatcher would reject with a RuntimeError (or coerce: is_neox=1):
+# the public functions check them first (validation.check_argument_types).
+PUBLIC_ONLY_BAD = [
+    *[(f"{n} list", _set(n, torch.Tensor.tolist), TypeError, f"{n} must be a torch.Tensor")
+      for n in ("positions", "q_pe", "k_pe", "kv_c", "cos_sin_cache", "slot_mapping", "kv_cache")],
+    ("is_neox int", lambda c: setattr(c, "is_neox", 1), TypeError, "is_neox must be a bool"),
+    ("kv_cache_dtype not a str", lambda c: setattr(c, "kv_cache_dtype", torch.bfloat16), TypeError,
+     "kv_cache_dtype must be a str"),
+    ("kv_cache_scale float", lambda c: setattr(c, "kv_cache_scale", 0.5), TypeError, "kv_cache_scale must be a float32 tensor or None"),
+]  # fmt: skip
+PUBLIC_ONLY_DECODE_BAD = [
+    ("ql_nope list", _set("ql_nope", torch.Tensor.tolist), TypeError, "ql_nope must be a torch.Tensor"),
+    ("q_out list", _set("q_out", torch.Tensor.tolist), TypeError, "q_out must be a torch.Tensor"),
+    ("q_scale float", lambda c: setattr(c, "q_scale", 2.0), TypeError, "q_scale must be a float32 tensor or None"),
+    ("is_nope_first int", lambda c: setattr(c, "is_nope_first", 0), TypeError, "is_nope_first must be a bool"),
+]
+
+PUBLIC_ONLY_PREFILL_BAD = [
+    ("k_nope list", _set("k_nope", torch.Tensor.tolist), TypeError, "k_nope must be a torch.Tensor"),
+    ("k_out list", _set("k_out", torch.Tensor.tolist), TypeError, "k_out must be a torch.Tensor"),
+]
+OP_ONLY_BAD = {"rope_cache_write": [], "decode": DECODE_BAD, "prefill": []}  # op 3's own: PREFILL_BAD below
+OP_ONLY_PUBLIC_BAD = {"rope_cache_write": [], "decode": PUBLIC_ONLY_DECODE_BAD, "prefill": PUBLIC_ONLY_PREFILL_BAD}
+OP_CASES = [
+    (op, entry, *bad)
+    for op in OPS
+    for entry in ENTRY_POINTS
+    for bad in COMMON_BAD + OP_ONLY_BAD[op] + (PUBLIC_ONLY_BAD + OP_ONLY_PUBLIC_BAD[op] if entry == "public" else [])
 ]
 
 
 @pytest.mark.parametrize("backend", OP_BACKENDS)
-@pytest.mark.parametrize("entry", ENTRY_POINTS)
-@pytest.mark.parametrize("what,mutate,exc,words", DECODE_BAD, ids=[b[0] for b in DECODE_BAD])
-def test_decode_rejects(backend, entry, what, mutate, exc, words):
-    case = make_case(T=5, H=2, decode=True, seed=2)
+@pytest.mark.parametrize(
+    "op,entry,what,mutate,exc,words", OP_CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in OP_CASES]
+)  # fmt: skip
+def test_rejects_bad_input_before_writing(backend, op, entry, what, mutate, exc, words):
+    case = _case(op, T=6, H=2, seed=1)
     live = _live(case)
     mutate(case)
-    with pytest.raises(exc, match=words):
-        _call(case, entry, backend, decode=True)
+    with pytest.raises(exc, match=re.escape(words)):
+        _call(case, entry, backend, op)
     _unchanged(case, live)
+
+
+def test_shared_checks_refuse_what_the_dispatcher_would_coerce():
+    """The flag and str checks inside the shared validation (used by the custom ops and their
+    fakes as well) hold on their own, not only behind check_argument_types."""
+    case = make_case(T=3, H=2, decode=True, seed=4)
+    with pytest.raises(TypeError, match="is_neox must be a bool"):
+        validation.check_rope_cache_write(*case.rope_args()[:5], 1, *case.rope_args()[6:])
+    args = list(case.decode_args()) + [True]
+    args[13] = 1
+    with pytest.raises(TypeError, match="is_nope_first must be a bool"):
+        validation.check_decode_rope_cache_write(*args)
+    with pytest.raises(TypeError, match="kv_cache_dtype must be a str"):
+        fp8.cache_store_dtype(case.kv_cache, None)
+    with pytest.raises(ValueError, match="'fp8_ds_mla' is not supported"):
+        fp8.cache_store_dtype(case.kv_cache.view(torch.uint8), "fp8_ds_mla")
 
 
 def test_bad_backend_name_is_a_value_error(monkeypatch):
@@ -139,39 +254,43 @@ def test_fake_tensor_validation_matches_eager():
             torch.ops.mla_fusion.mla_rope_cache_write(*fake)
 
 
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@pytest.mark.parametrize("op", OPS)
 class TestDebugMode:
-    """VLLM_MLA_FUSION_DEBUG=1 checks index values on the host and refuses bad ones."""
+    """VLLM_MLA_FUSION_DEBUG=1 checks index values on the host and refuses bad ones before any write."""
 
     @pytest.fixture(autouse=True)
     def _debug(self, monkeypatch):
         monkeypatch.setenv("VLLM_MLA_FUSION_DEBUG", "1")
 
-    def test_position_out_of_range(self):
-        case = make_case(T=4, H=2, positions="out_of_range")
+    def test_position_out_of_range(self, backend, op):
+        case = _case(op, T=4, H=2, positions="out_of_range")
         with pytest.raises(ValueError, match="positions"):
-            mla.mla_rope_cache_write(*case.rope_args())
+            _call(case, "public", backend, op)
         _unchanged(case)
 
-    def test_slot_past_cache(self):
-        case = make_case(T=4, H=2, pad_every=0)
-        case.slot_mapping[1] = case.kv_cache.shape[0] * case.kv_cache.shape[1]
-        with pytest.raises(ValueError, match="slot_mapping"):
-            mla.mla_rope_cache_write(*case.rope_args())
+    @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=str)
+    def test_slots_past_the_cache(self, backend, op, index_dtype):
+        case, cap = out_of_range_slot_case(block_size=16, index_dtype=index_dtype, seed=3,
+                                           make=lambda **kw: _case(op, **kw))  # fmt: skip
+        with pytest.raises(ValueError, match=rf"slot_mapping\[1\]={cap} is past the cache's {cap} slots"):
+            _call(case, "public", backend, op)
         _unchanged(case)
+        guard = case.parents["kv_cache"]  # the cache and the canary rows after it
+        assert torch.equal(guard.view(torch.uint8), case.originals["parent:kv_cache"].view(torch.uint8))
 
-    @pytest.mark.parametrize("decode", [False, True])
-    def test_duplicate_slot(self, decode):
-        case = make_case(T=4, H=2, pad_every=0, decode=decode)
+    def test_duplicate_slot(self, backend, op):
+        case = _case(op, T=4, H=2, pad_every=0)
         case.slot_mapping[2] = case.slot_mapping[0]
         with pytest.raises(ValueError, match="same slot"):
-            _call(case, "public", None, decode)
+            _call(case, "public", backend, op)
         _unchanged(case)
 
-    def test_valid_input_passes(self):
-        case = make_case(T=6, H=2, positions="edges")
-        mla.mla_rope_cache_write(*case.rope_args())
-        assert not torch.equal(case.q_pe, case.originals["q_pe"])
-
+    def test_valid_input_passes(self, backend, op):
+        case = _case(op, T=6, H=2, positions="edges")
+        _call(case, "public", backend, op)
+        {"rope_cache_write": check_rope_cache_write, "decode": check_decode_rope_cache_write,
+         "prefill": check_prefill_rope_cache_write}[op](case)  # fmt: skip
 
 
 PREFILL_BAD = [

@@ -20,7 +20,12 @@ from types import SimpleNamespace
 import torch
 
 from . import dispatch
-from .validation import check_decode_rope_cache_write, check_prefill_rope_cache_write, check_rope_cache_write
+from .validation import (
+    check_argument_types,
+    check_decode_rope_cache_write,
+    check_prefill_rope_cache_write,
+    check_rope_cache_write,
+)
 
 __all__ = ["mla_rope_cache_write", "mla_decode_rope_cache_write", "mla_prefill_rope_cache_write", "eager"]
 
@@ -190,7 +195,7 @@ def mla_rope_cache_write(
     names and order); one kernel launch on a GPU.
 
     Args:
-        positions: ``[>=T]`` int32/int64 position of each token. Out-of-range
+        positions: ``[>=T]`` int32/int64 position of each token, any stride. Out-of-range
             positions are clamped to ``[0, max_position)``, never read out of bounds.
         q_pe: ``[T, H, R]`` fp16/bf16/fp32, any strides. **Rotated in place** for
             every token (padding tokens too, so their rows stay finite).
@@ -200,12 +205,17 @@ def mla_rope_cache_write(
             float32 or q_pe's dtype.
         is_neox: False rotates interleaved pairs ``(x[2i], x[2i+1])`` (GPT-J style,
             DeepSeek); True rotates ``(x[i], x[i + R/2])``.
-        slot_mapping: ``[>=T]`` int32/int64 cache slot of each token,
+        slot_mapping: ``[>=T]`` int32/int64 cache slot of each token, any stride,
             ``block * block_size + offset``; entries < 0 are padding and write nothing.
+            Entries ``>= num_blocks * block_size`` (past the cache: a scheduler or
+            connector bug, a stale mapping under graph padding) also write nothing,
+            and the rest of the batch is unaffected: such a slot costs its row, never
+            a write outside ``kv_cache``. ``VLLM_MLA_FUSION_DEBUG=1`` raises a
+            ValueError naming ``slot_mapping`` for them instead, before any write.
         kv_cache: ``[num_blocks, block_size, L + R]``, any strides. **Written** at
-            the row of each non-negative slot, nowhere else. bf16/fp16/fp32 store
-            the values cast; fp8 (typed, or uint8 storage named by
-            ``kv_cache_dtype``) stores ``saturate(x / kv_cache_scale)``.
+            the row of each slot in ``[0, num_blocks * block_size)``, nowhere else.
+            bf16/fp16/fp32 store the values cast; fp8 (typed, or uint8 storage named
+            by ``kv_cache_dtype``) stores ``saturate(x / kv_cache_scale)``.
         kv_cache_dtype: ``"auto"`` (the tensor's dtype), ``"fp8"``/``"fp8_e4m3"``
             (the platform's e4m3: e4m3fnuz on MI300-class GPUs, e4m3fn elsewhere),
             ``"fp8_e5m2"``, or a float name matching the tensor.
@@ -217,6 +227,9 @@ def mla_rope_cache_write(
     Entries of ``positions`` and ``slot_mapping`` past T are ignored.
     Raises ValueError/TypeError, before anything is written, on malformed input.
     """
+    check_argument_types(positions=positions, q_pe=q_pe, k_pe=k_pe, kv_c=kv_c, cos_sin_cache=cos_sin_cache,
+                         is_neox=is_neox, slot_mapping=slot_mapping, kv_cache=kv_cache, kv_cache_dtype=kv_cache_dtype,
+                         kv_cache_scale=kv_cache_scale)  # fmt: skip
     torch.ops.mla_fusion.mla_rope_cache_write(
         positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache,
         kv_cache_dtype, kv_cache_scale, backend or "auto",
@@ -256,6 +269,10 @@ def mla_decode_rope_cache_write(
 
     The other arguments are those of :func:`mla_rope_cache_write`.
     """
+    check_argument_types(positions=positions, ql_nope=ql_nope, q_pe=q_pe, k_pe=k_pe, kv_c=kv_c,
+                         cos_sin_cache=cos_sin_cache, is_neox=is_neox, slot_mapping=slot_mapping, kv_cache=kv_cache,
+                         q_out=q_out, kv_cache_dtype=kv_cache_dtype, kv_cache_scale=kv_cache_scale, q_scale=q_scale,
+                         is_nope_first=is_nope_first)  # fmt: skip
     torch.ops.mla_fusion.mla_decode_rope_cache_write(
         positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, q_out,
         kv_cache_dtype, kv_cache_scale, q_scale, is_nope_first, backend or "auto",
@@ -303,6 +320,9 @@ def mla_prefill_rope_cache_write(
     fp8 key: not rounded through ``k_pe``'s dtype first). The AITER backend has no
     such op: on ROCm the Triton kernel runs it.
     """
+    check_argument_types(positions=positions, q_pe=q_pe, k_pe=k_pe, kv_c=kv_c, k_nope=k_nope,
+                         cos_sin_cache=cos_sin_cache, is_neox=is_neox, slot_mapping=slot_mapping, kv_cache=kv_cache,
+                         k_out=k_out, kv_cache_dtype=kv_cache_dtype, kv_cache_scale=kv_cache_scale)  # fmt: skip
     torch.ops.mla_fusion.mla_prefill_rope_cache_write(
         positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping, kv_cache, k_out,
         kv_cache_dtype, kv_cache_scale, backend or "auto",

@@ -53,6 +53,27 @@ def _require_ndim(name: str, t: torch.Tensor, ndims: tuple[int, ...], layout: st
         raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
 
 
+def check_argument_types(**args: object) -> None:
+    """Python types of a public function's arguments, checked before torch's dispatcher sees them.
+
+    The dispatcher would reject a non-tensor with a RuntimeError, and silently turn
+    ``is_neox=1`` into True; the public functions promise a TypeError naming the argument.
+    Flags must be bool, ``kv_cache_dtype`` a str, scales a tensor or None, the rest tensors.
+    """
+    for name, value in args.items():
+        if name in ("is_neox", "is_nope_first"):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        elif name == "kv_cache_dtype":
+            if not isinstance(value, str):
+                raise TypeError(f"kv_cache_dtype must be a str, got {type(value).__name__}")
+        elif name.endswith("_scale"):
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise TypeError(f"{name} must be a float32 tensor or None, got {type(value).__name__}")
+        else:
+            _require_tensor(name, value)
+
+
 def _check_scale(name: str, scale: object, device: torch.device) -> None:
     if scale is None:
         return

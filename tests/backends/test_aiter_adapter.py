@@ -459,6 +459,27 @@ def test_index_conversion_policy():
     assert out.is_contiguous() and torch.equal(out, torch.arange(0, 12, 2))
 
 
+def test_guard_slots_turns_slots_past_the_cache_into_padding():
+    slots = torch.tensor([0, 128, 5, 130, 10**9, 127, -1, 2**62])
+    assert ab.guard_slots(slots, 128).tolist() == [0, -1, 5, -1, -1, 127, -1, -1]
+
+
+@pytest.mark.parametrize("padded_blocks", [False, True])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_prepare_decode_args_guards_slots_past_the_cache(padded_blocks, index_dtype):
+    """The capacity is the cache's num_blocks * block_size, whether AITER gets the [num_slots, 1, 576]
+    view (dense blocks) or the paged cache itself (padded blocks)."""
+    call = make_call(T=7, H=16)
+    if padded_blocks:
+        call["kv_cache"] = torch.full((8, 17, L + R), 0.75).to(torch.bfloat16)[:, :16]
+    cap = 8 * 16
+    call["slot_mapping"] = torch.tensor([0, cap, 5, cap + 2, 10**9, cap - 1, 2**31 - 1, 9], dtype=index_dtype)
+    a = ab.prepare_decode_args(problem_of(call), *_positional(call), None, None, True, rope_splits=ab.RopeSplitCache())
+    assert a.kv_cache.shape[:2] == ((8, 16) if padded_blocks else (cap, 1))
+    assert a.slot_mapping.dtype == torch.int64
+    assert a.slot_mapping.tolist() == [0, -1, 5, -1, -1, cap - 1, -1]
+
+
 def test_default_scales_are_cached_float32_ones():
     k1, q1 = ab.default_scales(torch.device("cpu"))
     k2, q2 = ab.default_scales(torch.device("cpu"))
@@ -553,7 +574,10 @@ def emulate_hip_op(q_nope, q_pe, kv_c, k_pe, kv_cache, q_out, slot_mapping, k_sc
     int64 indices read raw, cos/sin read at ``pos * R/2`` from contiguous
     half-width tensors of the input dtype, ``block = slot // block_size``,
     position clamp, no q_out for slot < 0 unless ``compute_all_q_rope``, fp8
-    as ``x * (1/scale)`` (nope clamped to the fp8 range, rope not).
+    as ``x * (1/scale)`` (nope clamped to the fp8 range, rope not). The cache
+    row is addressed from the tensor's data pointer with no upper bound, as
+    the kernels do (only ``slot < 0`` is tested): a slot past the cache lands
+    in the memory after it, and one past the allocation fails here.
     """
     assert kv_c.dim() == 2 and k_pe.dim() == 2, "decode path takes 2-D kv_c/k_pe"
     assert is_nope_first
@@ -595,7 +619,11 @@ def emulate_hip_op(q_nope, q_pe, kv_c, k_pe, kv_cache, q_out, slot_mapping, k_sc
         q_out[t, :, :Lr] = store(q_nope[t], q_out.dtype, inv_q, True)
         q_out[t, :, Lr:] = store(rot(q_pe[t], c, s), q_out.dtype, inv_q, False)
         if slot >= 0:
-            row = kv_cache[slot // bs, slot % bs]
+            flat = torch.empty(0, dtype=kv_cache.dtype).set_(kv_cache.untyped_storage())
+            start = kv_cache.storage_offset() + (slot // bs) * kv_cache.stride(0) + (slot % bs) * kv_cache.stride(1)
+            width = kv_cache.shape[-1]
+            assert start + width <= flat.numel(), f"slot {slot}: AITER would write past the cache's allocation"
+            row = flat[start : start + width]
             row[:Lr] = store(kv_c[t], kv_cache.dtype, inv_k, True)
             row[Lr:] = store(rot(k_pe[t], c, s), kv_cache.dtype, inv_k, False)
     assert not q_fp8 or cache_fp8
@@ -656,6 +684,43 @@ def test_adapter_end_to_end_matches_reference(fake_aiter, dtype, is_neox, T, H, 
     assert len(fake_aiter) == 1, "the call must have gone to AITER, not to the fallback"
     args = fake_aiter[0]
     assert args[14] is True and args[4].shape[1] == 1  # compute_all_q_rope, per-head cache view
+    assert_matches_reference(call["q_out"], call["kv_cache"], ref_q, ref_cache)
+
+
+def _guarded_call(T=7, H=16, block_size=16, num_blocks=4, guard_rows=40):
+    """A call whose cache is a view into a larger buffer with canary rows after it, and whose
+    slot_mapping names slots at and past the capacity (inside those rows, and far beyond)."""
+    call = make_call(T=T, H=H, num_blocks=num_blocks, block_size=block_size)
+    width = L + R
+    buffer = torch.full(((num_blocks * block_size + guard_rows) * width,), 0.75).to(torch.bfloat16)
+    buffer[num_blocks * block_size * width :] = 1.5  # the guard rows
+    call["kv_cache"] = buffer[: num_blocks * block_size * width].view(num_blocks, block_size, width)
+    cap = num_blocks * block_size
+    call["slot_mapping"] = torch.tensor([0, cap, 5, cap + 2, 10**9, cap - 1, cap + guard_rows - 1, -1])
+    return call, buffer, cap
+
+
+def test_emulated_aiter_writes_past_the_cache_without_the_guard():
+    """The model reproduces the hazard the guard prevents: AITER's kernels given such slots write
+    into the memory after the cache (and past the allocation for 10**9)."""
+    call, buffer, cap = _guarded_call()
+    args = list(ab.prepare_decode_args(problem_of(call), *_positional(call), None, None, True,
+                                       rope_splits=ab.RopeSplitCache()).as_tuple())  # fmt: skip
+    args[6] = ab.as_int64_index(call["slot_mapping"], 7)  # the raw slots, without guard_slots
+    with pytest.raises(AssertionError, match="past the cache's allocation"):
+        emulate_hip_op(*args)
+    assert (buffer[cap * (L + R) :] != 1.5).any(), "the slots inside the guard rows were written"
+
+
+def test_adapter_end_to_end_slots_past_the_cache_write_nothing(fake_aiter):
+    call, buffer, cap = _guarded_call()
+    guard_before = buffer[cap * (L + R) :].clone()
+    keep = call["slot_mapping"][:7].clone()
+    ref_call = dict(call, slot_mapping=torch.where(keep < cap, keep, -1))  # the reference semantics
+    ref_q, ref_cache = run_reference(ref_call)
+    _run_adapter(call, problem_of(call))
+    assert len(fake_aiter) == 1, "the call must have gone to AITER"
+    assert torch.equal(buffer[cap * (L + R) :], guard_before), "AITER wrote past the cache"
     assert_matches_reference(call["q_out"], call["kv_cache"], ref_q, ref_cache)
 
 

@@ -195,6 +195,47 @@ def test_unrunnable_backend_falls_back_with_a_warning(vllm_cpu, plugin_on, monke
     assert any("interpreter" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
 
 
+@pytest.fixture
+def as_rank_3(vllm_cpu, monkeypatch):
+    """This process as vLLM's world group sees a TP rank other than the first: global rank 3,
+    local rank 3. vLLM's *_once loggers (default scope "local") stay silent here."""
+    from vllm.distributed import parallel_state as ps
+
+    world = ps.get_world_group()
+    monkeypatch.setattr(world, "rank", 3)
+    monkeypatch.setattr(world, "local_rank", 3)
+    assert not ps.is_local_first_rank() and not ps.is_global_first_rank()
+
+
+def test_setup_failure_on_another_rank_is_logged_there(vllm_cpu, plugin_off, as_rank_3, monkeypatch, caplog):
+    """A setup failure on rank 3 alone (rank 0 fine) must be visible: the warning comes from every
+    rank, once per process, naming the rank."""
+    from vllm_mla_fusion.vllm_plugin import eligibility, register
+
+    marker = f"simulated failure on one rank {uuid.uuid4().hex}"
+
+    def broken(*args):
+        raise RuntimeError(marker)
+
+    monkeypatch.setattr(eligibility, "decode_reason", broken)
+    register()
+    with caplog.at_level(logging.WARNING, logger=PLUGIN_LOGGER):
+        layers = [vllm_cpu.build_attention() for _ in range(2)]
+    assert all(attn.mla_attn.fusion_mode is None for attn in layers)
+    warnings = [r for r in caplog.records if marker in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+    assert "(rank 3, local rank 3)" in warnings[0].getMessage()
+
+
+def test_every_rank_logs_its_backend_and_mode(vllm_cpu, plugin_on, as_rank_3, caplog):
+    """The info line with the chosen backend and mode comes from this rank too (once), so a rank
+    that chose differently from rank 0 shows up in the log."""
+    with caplog.at_level(logging.INFO, logger=PLUGIN_LOGGER):
+        for _ in range(2):
+            assert vllm_cpu.build_attention().mla_attn.fusion_mode == "decode"
+    lines = [r.getMessage() for r in caplog.records if "use the fused RoPE" in r.getMessage()]
+    assert lines == ["vllm-mla-fusion (rank 3, local rank 3): MLA layers use the fused RoPE + KV-cache write "
+                     "(backend torch, mode decode)"], lines  # fmt: skip
 def test_decode_pair_backends_are_recognised_by_name_and_subclass():
     """FLASH_ATTN_MLA and CUTLASS_MLA (and subclasses, e.g. XPU's) take (ql_nope, q_pe) as it is: op 1
     for the decode rows; every other backend, and any fp8 query, gets op 2's assembled query."""

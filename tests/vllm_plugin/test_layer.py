@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from demo import cpu_stand_ins
+from vllm_mla_fusion import dispatch
 
 from . import harness as H
 
@@ -109,7 +110,9 @@ def layer_pair(vllm_cpu, plugin_off, monkeypatch, request):
     """(vLLM's layer, the plugin's layer) with the same random weights and canary-filled caches."""
     from vllm_mla_fusion.vllm_plugin import register
 
-    mode, q_lora_rank, prefill_key, pair_backend = request.param
+    mode, q_lora_rank, prefill_key, pair_backend, *backend = request.param
+    if backend:  # read when the layer is built (eligibility.load_backend) and at every call (dispatch)
+        monkeypatch.setenv("VLLM_MLA_FUSION_BACKEND", backend[0])
     hf_config = copy.copy(vllm_cpu.model_config.hf_config)
     hf_config.q_lora_rank = q_lora_rank
     off = vllm_cpu.build_attention(hf_config)
@@ -140,6 +143,33 @@ def layer_pair(vllm_cpu, plugin_off, monkeypatch, request):
 
 @pytest.mark.parametrize("layer_pair", LAYOUTS, ids=LAYOUT_IDS, indirect=True)
 def test_schedule_matches_vllm(vllm_cpu, layer_pair, monkeypatch):
+    from vllm_mla_fusion.backends import reference
+
+    _run_schedule(vllm_cpu, layer_pair, monkeypatch, reference)
+
+
+# The same schedule with the Triton kernel (in its interpreter on a CPU): the plugin's calls reach
+# the kernel with vLLM's real strides, slot mappings and padding. Decode mode with the prefill key
+# runs ops 2 and 3, without it ops 1 and 2; rope_cache mode op 1 over the padded batch. ~4 s each.
+TRITON_LAYOUTS = [("decode", 1536, True, False, "triton"), ("decode", 1536, False, False, "triton"),
+                  ("rope_cache", 1536, False, False, "triton")]  # fmt: skip
+
+
+@pytest.mark.parametrize("layer_pair", TRITON_LAYOUTS, ids=["decode", "decode-prefill-key-off", "rope_cache"],
+                         indirect=True)  # fmt: skip
+def test_schedule_matches_vllm_with_the_triton_kernel(vllm_cpu, layer_pair, monkeypatch):
+    if not dispatch.triton_interpreting() and not torch.cuda.is_available():
+        raise AssertionError("tests/conftest.py runs Triton in its interpreter on a CPU; TRITON_INTERPRET is off")
+    from vllm_mla_fusion.backends import reference
+    from vllm_mla_fusion.backends import triton as triton_backend
+
+    names = ("rope_cache_write", "decode_rope_cache_write", "prefill_rope_cache_write")
+    untouched = [Counter(monkeypatch, reference, name) for name in names]
+    _run_schedule(vllm_cpu, layer_pair, monkeypatch, triton_backend)
+    assert take_all(untouched) == 0, "the torch backend ran instead of the Triton kernel"
+
+
+def _run_schedule(vllm_cpu, layer_pair, monkeypatch, backend_module):
     off, on = layer_pair
     mode = on.mla_attn.fusion_mode
     prefill_key = getattr(on.mla_attn.mla_attn, "_prefill_key_fused", False)
@@ -147,15 +177,13 @@ def test_schedule_matches_vllm(vllm_cpu, layer_pair, monkeypatch):
     from vllm.model_executor.layers.attention.mla_attention import MLACommonBaseImpl
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
 
-    from vllm_mla_fusion.backends import reference
-
     # vLLM caches rope modules by parameters, so both layers may share one.
     ropes = {id(a.rotary_emb): a.rotary_emb for a in (off, on)}
     rope_counters = [Counter(monkeypatch, rope, "forward") for rope in ropes.values()]
     vllm_cache_writes = Counter(monkeypatch, CPUMLAImpl, "do_kv_cache_update")
-    fused_rope_cache = Counter(monkeypatch, reference, "rope_cache_write")
-    fused_decode = Counter(monkeypatch, reference, "decode_rope_cache_write")
-    fused_prefill = Counter(monkeypatch, reference, "prefill_rope_cache_write")
+    fused_rope_cache = Counter(monkeypatch, backend_module, "rope_cache_write")
+    fused_decode = Counter(monkeypatch, backend_module, "decode_rope_cache_write")
+    fused_prefill = Counter(monkeypatch, backend_module, "prefill_rope_cache_write")
     # vLLM's key concat: the step's own prefill tokens, plus one per chunk of cached context.
     vllm_key_concat = Counter(monkeypatch, MLACommonBaseImpl, "_concat_k_nope_k_pe")
 

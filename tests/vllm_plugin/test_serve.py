@@ -33,7 +33,9 @@ openai = pytest.importorskip("openai")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-FUSED_LINE = "vllm-mla-fusion: MLA layers use the fused RoPE + KV-cache write (backend torch, mode decode)"
+FUSED_LINE = (
+    "vllm-mla-fusion (rank 0, local rank 0): MLA layers use the fused RoPE + KV-cache write (backend torch, mode decode)"
+)
 UNKNOWN = "Unknown vLLM environment variable"
 LINES = tiny_model.CORPUS.splitlines()
 # (prompt, max_tokens): a few tokens, a paragraph, the whole text (~440 tokens)

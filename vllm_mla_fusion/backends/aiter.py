@@ -53,6 +53,7 @@ __all__ = [
     "cache_view",
     "decline_reason",
     "decode_rope_cache_write",
+    "guard_slots",
     "native_fp8_dtype",
     "prepare_decode_args",
     "rope_cache_write",
@@ -549,6 +550,19 @@ def as_int64_index(t: torch.Tensor, num_tokens: int) -> torch.Tensor:
     return t
 
 
+def guard_slots(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """``slots`` (int64) with every entry at or past ``num_slots`` replaced by -1 (padding).
+
+    AITER's decode kernels test only ``slot < 0`` (cache_kernels.cu: the per-head kernel
+    writes when ``head_idx == 0 && slot_idx >= 0`` at row ``slot_idx``, the opt kernel when
+    ``write_kv = slot_idx >= 0`` at ``slot / block_size``), so a slot past the cache would be
+    written into whatever memory follows it. This project's semantics make such a slot
+    padding; the host cannot see slot values without a sync, so the guard is one elementwise
+    pass over the T entries on the device (an allocation, from the graph pool under capture).
+    """
+    return torch.where(slots < num_slots, slots, -1)
+
+
 def _two_d(t: torch.Tensor) -> torch.Tensor:
     # [T, 1, X] -> [T, X] keeping the row stride: a 3-D single-head tensor whose head stride is not X
     # would match none of AITER's layouts (decode wants 2-D; 3-D must be "contiguous" per head).
@@ -603,7 +617,8 @@ def prepare_decode_args(
     - uint8 fp8 storage -> a typed view (``p.cache_dtype``, the chip's e4m3);
     - the cache viewed ``[num_slots, 1, L+R]`` when possible (``cache_view``);
     - ``kv_c``/``k_pe`` ``[T, 1, X]`` -> ``[T, X]`` views;
-    - ``slot_mapping``/``positions`` cut to T, int64 (``as_int64_index``);
+    - ``slot_mapping``/``positions`` cut to T, int64 (``as_int64_index``); slots at or past
+      the cache's capacity become -1 (``guard_slots``): AITER would write past the cache;
     - cos/sin: cached contiguous halves (``RopeSplitCache``);
     - scales: the caller's, or cached ones (AITER always dereferences them);
     - ``compute_all_q_rope=True``: padded tokens (slot < 0) get their q_out row.
@@ -612,6 +627,7 @@ def prepare_decode_args(
     splits = rope_splits if rope_splits is not None else _ROPE_SPLITS
     cos, sin = splits.get(cos_sin_cache)
     ones_k, ones_q = default_scales(q_pe.device)
+    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
     return AiterArgs(
         q_nope=ql_nope,
         q_pe=q_pe,
@@ -619,7 +635,7 @@ def prepare_decode_args(
         k_pe=_two_d(k_pe),
         kv_cache=cache_view(fp8.typed_view(kv_cache, p.cache_dtype)),
         q_out=q_out,
-        slot_mapping=as_int64_index(slot_mapping, T),
+        slot_mapping=guard_slots(as_int64_index(slot_mapping, T), num_slots),
         k_scale=kv_cache_scale if kv_cache_scale is not None else ones_k,
         q_scale=q_scale if q_scale is not None else ones_q,
         positions=as_int64_index(positions, T),

@@ -108,10 +108,11 @@ def _round_for_store(x, scale, inv_scale, out_ptr, MODE: tl.constexpr, HAS_SCALE
             # division is ~10 instructions and made the fp8 paths compute-bound): the product
             # with the reciprocal is within an ulp, and one residual step (exact through the
             # fma) rounds it correctly. Quotients far outside the fp8 range skip the step,
-            # which would turn an overflow into NaN; they saturate below anyway.
+            # which would turn an overflow into NaN; they saturate below anyway. So do zeros:
+            # the step would add a +0 residual to -0 and lose the sign torch keeps.
             q = x * inv_scale
             r = tl.fma(-q, scale, x)
-            x = tl.where(tl.abs(q) < 2 * FP8_MAX, tl.fma(r, inv_scale, q), q)
+            x = tl.where((tl.abs(q) < 2 * FP8_MAX) & (q != 0), tl.fma(r, inv_scale, q), q)
         if MODE == 1:
             # NVIDIA converts with cvt.rn.satfinite: saturation and NaN handling come free.
             y = x.to(out_ptr.dtype.element_ty)
@@ -510,6 +511,9 @@ def _launch(p: Problem, op: int, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_
     T, H, L, R = p.num_tokens, p.num_heads, p.kv_lora_rank, p.rope_dim
     k_pe2 = k_pe.select(1, 0) if k_pe.dim() == 3 else k_pe  # [T, 1, R] -> [T, R], a view
     kv_c2 = kv_c.select(1, 0) if kv_c.dim() == 3 else kv_c
+    # The kernel reads the index tensors at unit stride (vLLM's are contiguous); another
+    # stride costs a copy of the T entries used, never a wrong read.
+    positions, slot_mapping = (x if x.stride(0) == 1 else x[:T].contiguous() for x in (positions, slot_mapping))
     cache, cmeta = _store_meta(kv_cache, p.cache_dtype, kv_cache_scale)
     if out is not None:
         out, ometa = _store_meta(out, out_dtype, out_scale)

@@ -25,6 +25,12 @@ on the layer's mode, chosen once at construction:
 Layers the fused ops cannot serve (eligibility.layer_reason) keep vLLM's
 forward unchanged; the reason is logged at debug level.
 
+Logging: vLLM's ``*_once`` loggers default to ``scope="local"``, i.e. local
+rank 0 only, so a setup failure on another rank (a missing library, a GPU
+the backend cannot run on) would leave that rank on vLLM's path without a
+word. The fallback warning and the chosen backend and mode are therefore
+logged once per process (``scope="process"``), each line naming its rank.
+
 vLLM 0.33's forward has no seam between stage 1 and stage 2, and its
 attention call cannot carry ``positions``, so a fused layer restates stage 1
 in ``_project`` (only the dense configurations eligibility admits: no DCP
@@ -48,6 +54,20 @@ logger = init_logger("vllm.vllm_mla_fusion.layer")
 MODE_DECODE = "decode"
 MODE_ROPE_CACHE = "rope_cache"
 VLLM_ATTENTION_OP = "vllm::unified_mla_attention_with_output"
+
+
+def rank_label() -> str:
+    """``"rank 3, local rank 3"`` for this process in vLLM's world group, else ``"single process"``."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        world = get_world_group()
+        return f"rank {world.rank}, local rank {world.local_rank}"
+    except Exception:  # noqa: BLE001 - no world group yet (or another vLLM layout): fall back to torch
+        pass
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return f"rank {torch.distributed.get_rank()}"
+    return "single process"
 
 
 class FusedMultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
@@ -79,16 +99,20 @@ class FusedMultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         except Exception as e:  # noqa: BLE001 - any setup failure means vLLM's path, never a half-fused layer
             self.fusion_mode = None
             logger.warning_once(
-                "vllm-mla-fusion: setting up the fused MLA path failed (%s: %s); layers fall back to vLLM's path",
+                "vllm-mla-fusion (%s): setting up the fused MLA path failed (%s: %s); layers fall back to vLLM's path",
+                rank_label(),
                 type(e).__name__,
                 str(e),  # warning_once dedups on its arguments: exception objects never compare equal
+                scope="process",  # every rank: a failure on rank 3 alone must not go unseen
             )
             logger.debug("vllm-mla-fusion: setup failure in %s", self.prefix, exc_info=True)
             return
         logger.info_once(
-            "vllm-mla-fusion: MLA layers use the fused RoPE + KV-cache write (backend %s, mode %s)",
+            "vllm-mla-fusion (%s): MLA layers use the fused RoPE + KV-cache write (backend %s, mode %s)",
+            rank_label(),
             backend,
             self.fusion_mode,
+            scope="process",  # one line per rank, so ranks that chose differently are visible
         )
 
     def _setup_rope_cache_mode(self) -> None:
