@@ -276,9 +276,8 @@ def scaled_fp8_case(dtype: torch.dtype, scale: float, *, T: int, H: int, L: int,
         fill(getattr(case, name), latent)
     half = R // 2
     max_pos = case.cos_sin_cache.shape[0]
-    case.cos_sin_cache = torch.cat((torch.ones(max_pos, half), torch.zeros(max_pos, half)), -1).to(device)
-    case.snapshot()
-    return case
+    case.cos_sin_cache = torch.cat((torch.ones(max_pos, half), torch.zeros(max_pos, half)), -1)
+    return to_device(case, device)  # built on the CPU (its generators are), then moved whole
 
 
 def out_of_range_slot_case(*, T: int = 7, H: int = 2, block_size: int, index_dtype: torch.dtype, far: bool = True,
