@@ -99,7 +99,7 @@ LABELS = {
     "triton_dense": "diagnostic: this project's op, but q_pe and k_pe dense tensors instead of vLLM's strided "
     "views (same bytes, no 384-byte row stride): what the layout costs; CUDA graph",
     "vllm_k3": "vLLM's Kimi-K3 epilogue kernel fused_kimi_k3_mla_key_concat_kv_cache_insert (RoPE of q in "
-    "place, key, cache row; bf16 only, bf16 cos/sin; does not write k_pe back); CUDA graph",
+    "place, key, cache row; bf16 only, fp32 cos/sin; does not write k_pe back); CUDA graph",
     "flashinfer": "FlashInfer rope_quantize_fp8_append_paged_kv_cache (decode, fp8 query and cache; "
     "index conversion outside the timed region); CUDA graph",
 }
@@ -520,7 +520,8 @@ class Impls:
             return lambda: (fused(), cat_key(v.k_pe))
         if impl == "vllm_k3":
             fn, _ = self._peer("vllm_k3")
-            return peers.vllm_k3_epilogue_call(fn, v, self.d.nope, self._cos_sin_act)
+            # K3 checks for an fp32 table (its RoPE math is fp32), unlike the generic fused op.
+            return peers.vllm_k3_epilogue_call(fn, v, self.d.nope, v.cos_sin_cache)
         raise ValueError(impl)
 
 

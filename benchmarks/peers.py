@@ -132,15 +132,16 @@ def load_vllm_k3():
     return fn, None
 
 
-def vllm_k3_epilogue_call(fn, v, nope: int, cos_sin_act: torch.Tensor):
+def vllm_k3_epilogue_call(fn, v, nope: int, cos_sin_cache: torch.Tensor):
     """K3's epilogue on the benchmark's views: q is the full [T, H, P + R] tensor whose rope
-    part is rotated in place; the key goes into the preallocated ``k_out``; bf16 cache."""
+    part is rotated in place; the key goes into the preallocated ``k_out``; bf16 cache;
+    ``cos_sin_cache`` fp32 (K3 refuses any other)."""
     q = v.q_pe.as_strided((*v.q_pe.shape[:2], nope + v.q_pe.shape[-1]), v.q_pe.stride(),
                           v.q_pe.storage_offset() - nope)  # fmt: skip
     bs = v.kv_cache.shape[1]
 
     def call():
-        fn(q, v.k_nope, v.k_pe, v.kv_c, v.k_out, v.kv_cache, v.slot_mapping, bs, v.positions, cos_sin_act)
+        fn(q, v.k_nope, v.k_pe, v.kv_c, v.k_out, v.kv_cache, v.slot_mapping, bs, v.positions, cos_sin_cache)
 
     return call
 
