@@ -564,6 +564,11 @@ def step_stats(steps, T) -> dict:
         "fused_kernels_per_step": med([s.count_matching(T.FUSED_KERNEL) for s in steps]),
         # The fused ops' CPU events: only steps that run eagerly record them (not FULL graph replays).
         "fused_ops_per_step": med([sum(v for k, v in s.cpu_ops.items() if k.startswith("mla_fusion::")) for s in steps]),
+        # Host time per step inside the attention-region ops (the plugin's attention op and the
+        # fused ops inside it; vLLM's attention op and cache update): where an eager or
+        # piecewise step's host cost comes from.
+        "host_us_in_ops": {name: med([s.cpu_op_us.get(name, 0.0) for s in steps])
+                           for name in sorted({n for s in steps for n in s.cpu_op_us})},  # fmt: skip
         "kernel_table": T.per_step_kernel_table(steps),
     }
 

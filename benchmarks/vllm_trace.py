@@ -92,6 +92,7 @@ class Step:
     closed: bool = False  # a later step bounds its launch window
     gpu: list[GpuEvent] = field(default_factory=list)
     cpu_ops: Counter = field(default_factory=Counter)
+    cpu_op_us: Counter = field(default_factory=Counter)  # host time inside each counted op (its event's dur)
     launches: Counter = field(default_factory=Counter)  # launch API name -> count
 
     @property
@@ -258,6 +259,7 @@ def parse_steps(trace: dict, cpu_op_names: Iterable[str] | None = None) -> list[
             i = bisect.bisect_right(starts, ts) - 1
             if i >= 0 and ts <= steps[i].ts + steps[i].dur:
                 steps[i].cpu_ops[ev["name"]] += 1
+                steps[i].cpu_op_us[ev["name"]] += float(ev.get("dur", 0.0))
     for ev in events:
         if ev.get("ph") != "X" or ev.get("cat") not in GPU_CATEGORIES:
             continue

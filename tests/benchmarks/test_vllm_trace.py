@@ -92,6 +92,7 @@ def test_steps_kinds_and_windows(T):
     s0, s1, s2, s3 = steps
     assert s0.kernel_counts() == {OURS: 2, "gemm": 2, "sampler": 1}
     assert s0.count_matching(OURS) == 2 and s0.cpu_ops == {"mla_fusion::mla_rope_cache_write": 2}
+    assert s0.cpu_op_us == {"mla_fusion::mla_rope_cache_write": 2.0}  # host time: the two events' durations
     # Graph replay: all five kernels by the launch's correlation, although they ran during step 2's window.
     assert s1.count_matching(OURS) == 2 and s1.count_matching("concat_and_cache_mla") == 1
     assert all(e.graph for e in s1.kernels) and s1.summary()["graph_launches"] == 1
