@@ -385,6 +385,20 @@ def _query_program(pid, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_s
 
 # ---------------------------------------------------------------------------
 # Host side: views, launch configuration, launch.
+#
+# Outside a CUDA graph (every prefill step, and the attention op of piecewise graphs)
+# this runs per layer and step, so it is kept to plain Python arithmetic and cached
+# decisions: triton.cdiv / next_power_of_2 are constexpr functions in Triton 3.8 and
+# cost microseconds per call on the host.
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
 
 
 @functools.lru_cache(maxsize=None)
@@ -444,8 +458,10 @@ def launch_configs(p: Problem, op: int, device: torch.device, max_tokens: int) -
     """The distinct launch configurations (each a compiled kernel) ``op`` uses for 1 to
     ``max_tokens`` tokens of ``p``'s other sizes."""
     configs: list[dict] = []
+    sms, pdl = _num_sms(device), _pdl_ok(device)
     for T in range(1, max_tokens + 1):
-        cfg = _launch_config(dataclasses.replace(p, num_tokens=T), op, device)
+        # Uncached: a sweep over every token count must not evict the configurations in use.
+        cfg = _launch_config_for.__wrapped__(dataclasses.replace(p, num_tokens=T), op, sms, pdl)
         if cfg not in configs:
             configs.append(cfg)
     return configs
@@ -463,7 +479,15 @@ def forced_launch_config(cfg: dict):
 
 
 def _launch_config(p: Problem, op: int, device: torch.device) -> dict:
-    """Block sizes and warps by shape class.
+    """Block sizes and warps by shape class (see _launch_config_for); a fresh dict."""
+    if LAUNCH_CONFIG_OVERRIDE is not None:
+        return dict(LAUNCH_CONFIG_OVERRIDE)
+    return dict(_launch_config_for(p, op, _num_sms(device), _pdl_ok(device)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _launch_config_for(p: Problem, op: int, sms: int, pdl: bool) -> dict:
+    """Block sizes and warps by shape class; cached, so callers must not mutate the result.
 
     Traffic per query row: R elements in and out (op 1), L + R (op 2), P + R (op 3);
     per cache token L + R, plus op 3's H copies of the key's rope part. Programs aim at
@@ -471,15 +495,12 @@ def _launch_config(p: Problem, op: int, device: torch.device) -> dict:
     bandwidth; small batches shrink the tiles so that the work spreads over more SMs
     instead of queueing on a few.
     """
-    if LAUNCH_CONFIG_OVERRIDE is not None:
-        return dict(LAUNCH_CONFIG_OVERRIDE)
     H, L, R = p.num_heads, p.kv_lora_rank, p.rope_dim
-    BLOCK_L = min(triton.next_power_of_2(L), 512)
+    BLOCK_L = min(_pow2(L), 512)
     nope = {OP_ROPE_CACHE.value: 0, OP_DECODE.value: L, OP_PREFILL.value: p.nope_dim or 0}[op]
-    BLOCK_N = min(triton.next_power_of_2(max(nope, 1)), 512)
+    BLOCK_N = min(_pow2(max(nope, 1)), 512)
     row_elems = nope + R
     rows = p.num_tokens * H
-    sms = _num_sms(device)
     # Measured on an H200 (benchmarks/tune_launch.py, docs/performance.md): ~4K-element
     # tiles, except op 1 with few heads, where 2K-element tiles (32 rows of 64) won by ~12%.
     # Op 3 moves two row widths per row (q_pe and the key): 4K-element tiles cost 168
@@ -488,20 +509,20 @@ def _launch_config(p: Problem, op: int, device: torch.device) -> dict:
         target = 2048
     else:
         target = 4096 if op != OP_ROPE_CACHE.value or H * R >= 4096 else 2048
-    block_rows = max(1, min(triton.next_power_of_2(max(1, target // row_elems)), 256))
+    block_rows = max(1, min(_pow2(max(1, target // row_elems)), 256))
     # Shrink while the grid would leave most SMs idle.
-    while block_rows > 1 and triton.cdiv(rows, block_rows) < sms:
+    while block_rows > 1 and _cdiv(rows, block_rows) < sms:
         block_rows //= 2
     token_elems = L + R + (H * R if op == OP_PREFILL.value else 0)
-    block_t = max(1, min(triton.next_power_of_2(max(1, 4096 // token_elems)), 64))
-    while block_t > 1 and triton.cdiv(p.num_tokens, block_t) < sms // 2:
+    block_t = max(1, min(_pow2(max(1, 4096 // token_elems)), 64))
+    while block_t > 1 and _cdiv(p.num_tokens, block_t) < sms // 2:
         block_t //= 2
     # Op 3's cache programs store the key's rope part for every head in tiles of ~2K elements.
-    block_h = triton.next_power_of_2(H) if op == OP_PREFILL.value else 1
+    block_h = _pow2(H) if op == OP_PREFILL.value else 1
     while block_h > 1 and block_t * block_h * R > 2048:
         block_h //= 2
     return dict(BLOCK_T=block_t, BLOCK_ROWS=block_rows, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, BLOCK_H=block_h,
-                num_warps=4, USE_PDL=_pdl_ok(device))  # fmt: skip
+                num_warps=4, USE_PDL=pdl)  # fmt: skip
 
 
 def _launch(p: Problem, op: int, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache,
@@ -524,13 +545,14 @@ def _launch(p: Problem, op: int, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_
         n_strides = o_strides = (0, 0, 0)
         nope_width = 1
     cfg = _launch_config(p, op, q_pe.device)
-    n_cache = triton.cdiv(T, cfg["BLOCK_T"])
-    n_query = triton.cdiv(T * H, cfg["BLOCK_ROWS"])
+    n_cache = _cdiv(T, cfg["BLOCK_T"])
+    n_query = _cdiv(T * H, cfg["BLOCK_ROWS"])
     # Scale pointers must be valid tensors even when unused; any float32 tensor does.
     dummy = cos_sin_cache
     # The launch must happen on the tensors' device, not the current one (a multi-GPU
     # process would otherwise launch on the wrong GPU: "an illegal memory access").
-    with torch.cuda.device(q_pe.device) if q_pe.is_cuda else contextlib.nullcontext():
+    on_other_gpu = q_pe.is_cuda and q_pe.get_device() != torch.cuda.current_device()
+    with torch.cuda.device(q_pe.device) if on_other_gpu else contextlib.nullcontext():
         _mla_rope_cache_kernel[(n_cache + n_query,)](
             positions, slot_mapping, cos_sin_cache, q_pe, k_pe2, kv_c2, cache,
             kv_cache_scale if kv_cache_scale is not None else dummy,
@@ -546,7 +568,7 @@ def _launch(p: Problem, op: int, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_
             OUT_MODE=ometa["MODE"], OUT_HAS_SCALE=ometa["HAS_SCALE"], OUT_FP8_MAX=ometa["FP8_MAX"],
             OUT_BIAS=ometa["BIAS"], OUT_MAN=ometa["MAN"], OUT_SIGNED_ZERO=ometa["SIGNED_ZERO"],
             OUT_NAN=ometa["NAN"],
-            BLOCK_R2=triton.next_power_of_2(R // 2), **cfg,
+            BLOCK_R2=_pow2(R // 2), **cfg,
             **({"launch_pdl": True} if cfg["USE_PDL"] else {}),
         )  # fmt: skip
 

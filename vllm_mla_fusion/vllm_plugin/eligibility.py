@@ -9,6 +9,7 @@ them for users.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -151,7 +152,9 @@ def decode_pair_reason(impl: MLAAttentionImpl, fp8_query: bool) -> str | None:
     return None
 
 
+@functools.cache
 def _aiter_mla_impl() -> type | None:
+    # Cached: asked per layer and step, and a failing import would be retried each time.
     try:
         from vllm.v1.attention.backends.mla.rocm_aiter_mla import AiterMLAImpl
     except ImportError:
@@ -180,6 +183,11 @@ def prefill_key_reason(impl: MLAAttentionImpl) -> str | None:
     return None
 
 
+@functools.cache
+def _fp8_dtype() -> torch.dtype:
+    return current_platform.fp8_dtype()
+
+
 def prefill_key_step_reason(impl: MLAAttentionImpl, attn_metadata) -> str | None:
     """Why this step's prefill rows keep op 1 + vLLM's concat, or None (the fused prefill op).
 
@@ -188,7 +196,7 @@ def prefill_key_step_reason(impl: MLAAttentionImpl, attn_metadata) -> str | None
     prefill = getattr(attn_metadata, "prefill", None)
     if prefill is None:
         return "the step has no prefill metadata"
-    if prefill.q_data_type == current_platform.fp8_dtype():
+    if prefill.q_data_type == _fp8_dtype():
         # forward_mha casts q to fp8 before it builds the key: q must already be rotated.
         return "fp8 prefill attention reads q before the key is built"
     aiter = _aiter_mla_impl()
