@@ -4,7 +4,10 @@
 #   scripts/gpu_session.sh first    vLLM's install in the background while the kernel's GPU tests run
 #                                   on the image's torch 2.11 / Triton 3.6; then the GPU integration
 #                                   tests inside vLLM (torch 2.14 / Triton 3.8)
+#   scripts/gpu_session.sh host     the same install while the kernel's GPU tests run; then the
+#                                   host cost per call on torch 2.14 / Triton 3.8 (no vLLM tests)
 #   scripts/gpu_session.sh e2e      the end-to-end benchmark, bf16 KV cache (gpu_vllm_check.sh e2e1)
+#   scripts/gpu_session.sh e2e-fp8  the same with the fp8 KV cache (gpu_vllm_check.sh e2e2)
 #   scripts/gpu_session.sh kernels  compute-sanitizer memcheck of the new cases; the kernel benchmark's
 #                                   epilogue section and the op 1 / op 2 shapes of issue 10 with vLLM's
 #                                   kernels (K3 included) as peers; the host-cost probe; the launch
@@ -32,8 +35,22 @@ first)
   tail -n 3 "$OUT/install_stage.log"
   TOTAL_S=$(left) scripts/gpu_vllm_check.sh env tests || status=1
   ;;
+host)
+  # A lease where only the host path changed: install in the background while the kernel's
+  # GPU tests run on the image's torch 2.11 / Triton 3.6; then the host cost per call on the
+  # carried torch 2.14 / Triton 3.8 (the e2e calls follow).
+  TOTAL_S=$(left) scripts/gpu_vllm_check.sh install >"$OUT/install_stage.log" 2>&1 &
+  install_pid=$!
+  timeout "${KERNEL_TESTS_S:-240}" scripts/gpu_check.sh tests || status=1
+  wait "$install_pid" || { echo "install failed:"; tail -n 20 "$OUT/install_stage.log"; exit 1; }
+  tail -n 3 "$OUT/install_stage.log"
+  PYTHONPATH=$SITE_DIR timeout 60 scripts/gpu_check.sh hostcost || status=1
+  ;;
 e2e)
   TOTAL_S=$(left) scripts/gpu_vllm_check.sh e2e1 || status=1
+  ;;
+e2e-fp8)
+  TOTAL_S=$(left) scripts/gpu_vllm_check.sh e2e2 || status=1
   ;;
 kernels)
   export PYTHONPATH=$SITE_DIR
@@ -44,7 +61,7 @@ kernels)
   timeout $(( $(left) - 25 )) scripts/gpu_check.sh tune || status=1
   ;;
 *)
-  echo "usage: scripts/gpu_session.sh first|e2e|kernels"; exit 2 ;;
+  echo "usage: scripts/gpu_session.sh first|host|e2e|e2e-fp8|kernels"; exit 2 ;;
 esac
 echo "==== gpu_session $1: ${SECONDS}s, status $status"
 # At most 8 files come back from a call: everything goes into one archive (results, logs,
