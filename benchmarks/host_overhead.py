@@ -12,7 +12,8 @@ per call, which is then the host's issue cost, for:
 - ``eager``: ``vllm_mla_fusion.ops.eager.*`` (the op's body without the
   dispatcher, what the vLLM plugin calls inside its attention op);
 - ``validate``: the argument checks alone;
-- ``backend``: the Triton backend function alone (the Triton launcher);
+- ``backend``: the Triton backend function alone (its direct launcher), and the same through
+  Triton's own ``kernel[grid](...)`` path;
 - vLLM's ``concat_and_cache_mla_rope_fused`` and ``concat_and_cache_mla`` C++
   ops when vLLM is importable, a trivial Triton kernel and ``x.add_(1)``.
 
@@ -62,6 +63,17 @@ def per_call_us(fn, n: int) -> float:
     return sorted(rounds)[2]
 
 
+def _without_direct_launch(fn):
+    def call():
+        usable, tb._launcher.usable = tb._launcher.usable, False
+        try:
+            fn()
+        finally:
+            tb._launcher.usable = usable
+
+    return call
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -99,6 +111,13 @@ def main() -> int:
         "prefill eager": lambda: eager.mla_prefill_rope_cache_write(*pre),
         "prefill backend": lambda: tb.prefill_rope_cache_write(p_pre, pos, q_pe, k_pe, kv_c, k_nope, cs, False, slots,
                                                                cache, k_out, None),  # fmt: skip
+        # The same two calls through Triton's own kernel[grid](...) every time (no direct launcher).
+        "decode backend, Triton's launch path": _without_direct_launch(
+            lambda: tb.decode_rope_cache_write(p_dec, pos, ql_nope, q_pe, k_pe, kv_c, cs, False, slots, cache, q_out,
+                                               None, None, True)),  # fmt: skip
+        "prefill backend, Triton's launch path": _without_direct_launch(
+            lambda: tb.prefill_rope_cache_write(p_pre, pos, q_pe, k_pe, kv_c, k_nope, cs, False, slots, cache, k_out,
+                                                None)),  # fmt: skip
         "trivial triton kernel": lambda: _trivial[(1,)](scale),
         "torch x.add_(1)": lambda: scale.add_(1),
     }

@@ -138,7 +138,7 @@ def capture_launch(arch: str, v: Variant):
 
     with as_rocm_machine(arch) as tb:
         kernel = tb._mla_rope_cache_kernel
-        tb._mla_rope_cache_kernel = Recorder()
+        tb._launcher.fn = Recorder()  # CPU tensors: the launcher takes Triton's kernel[grid](...) path
         try:
             if v.op == "decode":
                 p = validation.check_decode_rope_cache_write(*c.decode_args(), True)
@@ -154,7 +154,7 @@ def capture_launch(arch: str, v: Variant):
                 tb.rope_cache_write(p, c.positions, c.q_pe, c.k_pe, c.kv_c, c.cos_sin_cache, c.is_neox,
                                     c.slot_mapping, c.kv_cache, c.kv_cache_scale)  # fmt: skip
         finally:
-            tb._mla_rope_cache_kernel = kernel
+            tb._launcher.fn = kernel
         formats = {v.cache} | ({v.out} if v.out in FP8 else set())
         native = sorted(f for f in formats if f in FP8 and tb._native_fp8_ok(None, dt[f]))
     (args, kwargs), = recorded

@@ -182,6 +182,48 @@ def test_cuda_graph_replay_with_changing_inputs(op):
         check(base)
 
 
+def _misaligned_copy(t: torch.Tensor, elements: int = 1) -> torch.Tensor:
+    """``t``'s values and strides, starting ``elements`` past a 16-byte boundary."""
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    base = torch.empty(span + 16, dtype=t.dtype, device=t.device)
+    view = torch.as_strided(base, t.shape, t.stride(), storage_offset=elements)
+    view.copy_(t)
+    assert view.data_ptr() % 16 != 0
+    return view
+
+
+@pytest.mark.parametrize("op", ["rope_cache", "decode", "prefill"])
+def test_direct_launch_reuses_binaries_only_when_safe(op):
+    """Back-to-back calls as a serving loop makes them, so that the direct launcher
+    (backends/triton.py) reuses compiled binaries: repeated shapes, token counts that change
+    what Triton specializes on (1, a multiple of 16, neither), and read-only inputs moved off
+    16-byte alignment with their strides kept. Each call must match the reference; a binary
+    compiled for aligned pointers, reused for misaligned ones, would fail here."""
+    if not triton_backend._direct_launch_ok(torch.device("cuda")):
+        pytest.skip("the direct launcher is off (ROCm or VLLM_MLA_FUSION_DIRECT_LAUNCH=0)")
+    triton_backend._launcher.kernels.clear()
+    kind = dict(decode=op == "decode", prefill=op == "prefill", nope_dim=128)
+    run, check = {
+        "rope_cache": (lambda c: mla.mla_rope_cache_write(*c.rope_args(), backend="triton"), check_rope_cache_write),
+        "decode": (lambda c: mla.mla_decode_rope_cache_write(*c.decode_args(), backend="triton"),
+                   check_decode_rope_cache_write),
+        "prefill": (lambda c: mla.mla_prefill_rope_cache_write(*c.prefill_args(), backend="triton"),
+                    check_prefill_rope_cache_write),
+    }[op]  # fmt: skip
+    schedule = [(1, False), (1, False), (5, False), (16, False), (16, True), (5, True), (1, True), (300, False),
+                (16, False), (1, False)]  # fmt: skip
+    for step, (T, misalign) in enumerate(schedule):
+        case = make_case(T=T, H=16, block_size=16, device="cuda", seed=1000 + step, **kind, **DSV3)
+        if misalign:
+            for name in ("positions", "slot_mapping", "kv_c", "cos_sin_cache"):
+                setattr(case, name, _misaligned_copy(getattr(case, name)))
+            case.snapshot()
+        run(case)
+        torch.cuda.synchronize()
+        check(case)
+    assert triton_backend._launcher.kernels, "no call took the direct launcher"
+
+
 def test_addressing_past_2_to_the_31_elements():
     """A bf16 cache of more than 2**31 elements, written near its end: indices must be 64-bit."""
     L, R, bs = 512, 64, 64

@@ -449,6 +449,97 @@ def _pdl_ok(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+@functools.lru_cache(maxsize=None)
+def _direct_launch_ok(device: torch.device) -> bool:
+    """Whether launches on ``device`` may skip Triton's per-call binding (_DirectLauncher).
+
+    NVIDIA only: Triton's AMD backend specializes pointers on their allocation's size too
+    (buffer ops), which the launcher's key does not track. ``VLLM_MLA_FUSION_DIRECT_LAUNCH=0``
+    turns it off.
+    """
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return os.environ.get("VLLM_MLA_FUSION_DIRECT_LAUNCH", "1").strip() not in ("0", "false", "off")
+
+
+class _DirectLauncher:
+    """Launches a JIT kernel's compiled binary without Triton's per-call argument binding.
+
+    Outside CUDA graphs the plugin launches once per layer and step, and for this kernel's
+    62 parameters Triton's ``kernel[grid](...)`` (binding, specialization, cache key) cost
+    several times a trivial kernel's launch on the H200's host (docs/performance.md, "Host
+    cost per call"). The first call of each specialization goes through Triton, which
+    compiles or finds the binary; later calls with the same key call the binary's launcher
+    with the arguments in signature order, as Triton's own ``run`` does.
+
+    The key is at least as fine as Triton's NVIDIA specialization: each pointer's dtype and
+    16-byte alignment; every integer's exact value, except the three parameters Triton does
+    not specialize (``do_not_specialize``), which only keep their 32/64-bit class; every
+    constexpr; the launch options; the device. Launch hooks (profilers such as proton) take
+    Triton's path, which calls them.
+    """
+
+    MAX_ENTRIES = 1024
+
+    def __init__(self, fn, num_pointers: int):
+        self.fn = fn
+        self.kernels: dict = {}
+        # Triton's interpreter has no compiled binaries (and no KernelParam list).
+        params = getattr(fn, "params", None) or []
+        constexpr = [p.is_constexpr for p in params]
+        self.num_runtime = constexpr.index(True) if True in constexpr else len(params)
+        self.num_pointers = num_pointers
+        # Runtime parameters first, constexprs last: the order _launch and the binary's
+        # launcher take them in. Any other layout keeps Triton's path.
+        self.usable = bool(params) and all(constexpr[self.num_runtime:])
+        self.constexpr_names = [p.name for p in params[self.num_runtime:]]
+        self.int_exact = [not p.do_not_specialize for p in params[num_pointers : self.num_runtime]]
+
+    def _key(self, runtime: tuple, constexprs: list, options: tuple, device_index: int) -> tuple:
+        ptrs = tuple((t.dtype, t.data_ptr() % 16 == 0) for t in runtime[: self.num_pointers])
+        # Unspecialized integers: their 32/64-bit class, and whether they are 1 (finer than Triton).
+        ints = tuple(v if exact else (-(2**31) <= v < 2**31, v == 1)
+                     for v, exact in zip(runtime[self.num_pointers:], self.int_exact))  # fmt: skip
+        return ptrs, ints, tuple(constexprs), options, device_index
+
+    def __call__(self, grid: int, runtime: tuple, constexprs: dict, num_warps: int, pdl: bool,
+                 device_index: int | None) -> None:  # fmt: skip
+        direct = self.usable and device_index is not None and _hooks_unset()
+        values = [constexprs[name] for name in self.constexpr_names] if direct else None
+        if direct:
+            key = self._key(runtime, values, (num_warps, pdl), device_index)
+            kernel = self.kernels.get(key)
+            if kernel is not None:
+                stream = _driver().active.get_current_stream(device_index)
+                kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                           *runtime, *values)  # fmt: skip
+                return
+        kernel = self.fn[(grid,)](*runtime, **constexprs, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
+        if direct and kernel is not None:
+            if len(self.kernels) >= self.MAX_ENTRIES:
+                self.kernels.clear()
+            self.kernels[key] = kernel
+
+
+# The kernel's first 11 parameters are pointers (see _launch).
+_launcher = _DirectLauncher(_mla_rope_cache_kernel, num_pointers=11)
+
+
+def _driver():
+    from triton.runtime import driver
+
+    return driver
+
+
+def _hooks_unset() -> bool:
+    """No launch hook is installed: None (Triton 3.6) or an empty HookChain (Triton 3.8)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:
+        return False
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return all(h is None or (type(h).__name__ == "HookChain" and not h.calls) for h in hooks)
+
+
 # Set by benchmarks/tune_launch.py to time other launch configurations, and by
 # forced_launch_config while kernels are compiled ahead of use; None in normal use.
 LAUNCH_CONFIG_OVERRIDE: dict | None = None
@@ -549,28 +640,32 @@ def _launch(p: Problem, op: int, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_
     n_query = _cdiv(T * H, cfg["BLOCK_ROWS"])
     # Scale pointers must be valid tensors even when unused; any float32 tensor does.
     dummy = cos_sin_cache
+    runtime = (
+        positions, slot_mapping, cos_sin_cache, q_pe, k_pe2, kv_c2, cache,
+        kv_cache_scale if kv_cache_scale is not None else dummy,
+        nope, out, out_scale if out_scale is not None else dummy,
+        T, cos_sin_cache.shape[0], kv_cache.shape[1], kv_cache.shape[0] * kv_cache.shape[1], n_cache,
+        cos_sin_cache.stride(0), cos_sin_cache.stride(1),
+        *q_pe.stride(), *k_pe2.stride(), *kv_c2.stride(), *kv_cache.stride(),
+        *n_strides, *o_strides,
+    )  # fmt: skip
+    constexprs = dict(
+        H=H, L=L, R=R, NOPE=nope_width, IS_NEOX=is_neox, OP=op, NOPE_FIRST=is_nope_first,
+        CACHE_MODE=cmeta["MODE"], CACHE_HAS_SCALE=cmeta["HAS_SCALE"], CACHE_FP8_MAX=cmeta["FP8_MAX"],
+        CACHE_BIAS=cmeta["BIAS"], CACHE_MAN=cmeta["MAN"], CACHE_SIGNED_ZERO=cmeta["SIGNED_ZERO"],
+        CACHE_NAN=cmeta["NAN"],
+        OUT_MODE=ometa["MODE"], OUT_HAS_SCALE=ometa["HAS_SCALE"], OUT_FP8_MAX=ometa["FP8_MAX"],
+        OUT_BIAS=ometa["BIAS"], OUT_MAN=ometa["MAN"], OUT_SIGNED_ZERO=ometa["SIGNED_ZERO"],
+        OUT_NAN=ometa["NAN"],
+        BLOCK_T=cfg["BLOCK_T"], BLOCK_ROWS=cfg["BLOCK_ROWS"], BLOCK_L=cfg["BLOCK_L"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_H=cfg["BLOCK_H"], BLOCK_R2=_pow2(R // 2), USE_PDL=cfg["USE_PDL"],
+    )  # fmt: skip
+    device_index = q_pe.get_device() if q_pe.is_cuda and _direct_launch_ok(q_pe.device) else None
     # The launch must happen on the tensors' device, not the current one (a multi-GPU
     # process would otherwise launch on the wrong GPU: "an illegal memory access").
     on_other_gpu = q_pe.is_cuda and q_pe.get_device() != torch.cuda.current_device()
     with torch.cuda.device(q_pe.device) if on_other_gpu else contextlib.nullcontext():
-        _mla_rope_cache_kernel[(n_cache + n_query,)](
-            positions, slot_mapping, cos_sin_cache, q_pe, k_pe2, kv_c2, cache,
-            kv_cache_scale if kv_cache_scale is not None else dummy,
-            nope, out, out_scale if out_scale is not None else dummy,
-            T, cos_sin_cache.shape[0], kv_cache.shape[1], kv_cache.shape[0] * kv_cache.shape[1], n_cache,
-            cos_sin_cache.stride(0), cos_sin_cache.stride(1),
-            *q_pe.stride(), *k_pe2.stride(), *kv_c2.stride(), *kv_cache.stride(),
-            *n_strides, *o_strides,
-            H=H, L=L, R=R, NOPE=nope_width, IS_NEOX=is_neox, OP=op, NOPE_FIRST=is_nope_first,
-            CACHE_MODE=cmeta["MODE"], CACHE_HAS_SCALE=cmeta["HAS_SCALE"], CACHE_FP8_MAX=cmeta["FP8_MAX"],
-            CACHE_BIAS=cmeta["BIAS"], CACHE_MAN=cmeta["MAN"], CACHE_SIGNED_ZERO=cmeta["SIGNED_ZERO"],
-            CACHE_NAN=cmeta["NAN"],
-            OUT_MODE=ometa["MODE"], OUT_HAS_SCALE=ometa["HAS_SCALE"], OUT_FP8_MAX=ometa["FP8_MAX"],
-            OUT_BIAS=ometa["BIAS"], OUT_MAN=ometa["MAN"], OUT_SIGNED_ZERO=ometa["SIGNED_ZERO"],
-            OUT_NAN=ometa["NAN"],
-            BLOCK_R2=_pow2(R // 2), **cfg,
-            **({"launch_pdl": True} if cfg["USE_PDL"] else {}),
-        )  # fmt: skip
+        _launcher(n_cache + n_query, runtime, constexprs, cfg["num_warps"], cfg["USE_PDL"], device_index)
 
 
 def rope_cache_write(

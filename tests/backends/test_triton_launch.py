@@ -1,0 +1,251 @@
+"""The Triton backend's host side: block arithmetic, cached launch configurations, and the
+direct launcher's rule for reusing a compiled binary.
+
+The direct launcher only runs on NVIDIA GPUs (test_gpu.py exercises it through every kernel
+test there, and ``test_direct_launch_alignment_and_sizes`` on purpose). Here its key is
+checked against a stand-in for Triton's JIT function: a call may reuse a binary only when
+everything Triton specializes on is the same, and must hand the arguments over in the
+kernel's signature order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import random
+
+import pytest
+import torch
+import triton
+
+from vllm_mla_fusion.backends import triton as tb
+from vllm_mla_fusion.validation import Problem
+
+
+def test_block_arithmetic_matches_triton():
+    rng = random.Random(7)
+    for n in [1, 2, 3, 4, 5, 63, 64, 65, 511, 512, 513, 4096] + [rng.randrange(1, 1 << 20) for _ in range(200)]:
+        assert tb._pow2(n) == triton.next_power_of_2(n), n
+        for d in (1, 2, 3, 16, 64, 128):
+            assert tb._cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
+def _problem(T: int, op: int) -> Problem:
+    return Problem(num_tokens=T, num_heads=16, kv_lora_rank=512, rope_dim=64, cache_dtype=torch.bfloat16,
+                   nope_dim=128 if op == 3 else None, k_out_dtype=torch.bfloat16 if op == 3 else None)  # fmt: skip
+
+
+@pytest.mark.parametrize("op", [1, 2, 3])
+def test_launch_config_is_cached_but_never_shared(op):
+    device = torch.device("cpu")
+    for T in (1, 7, 64, 4096):
+        p = _problem(T, op)
+        first = tb._launch_config(p, op, device)
+        first["BLOCK_T"] = -1  # a caller mutating its copy must not change the next answer
+        again = tb._launch_config(p, op, device)
+        assert again["BLOCK_T"] > 0
+        assert again == tb._launch_config_for.__wrapped__(p, op, tb._num_sms(device), tb._pdl_ok(device))
+
+
+def test_forced_launch_config_bypasses_the_cache():
+    p, device = _problem(64, 1), torch.device("cpu")
+    normal = tb._launch_config(p, 1, device)
+    forced = dict(normal, BLOCK_ROWS=1, BLOCK_T=1)
+    with tb.forced_launch_config(forced):
+        assert tb._launch_config(p, 1, device) == forced
+    assert tb._launch_config(p, 1, device) == normal
+
+
+# --- the direct launcher, against a stand-in for Triton's JITFunction ---------------------
+
+
+@dataclasses.dataclass
+class _Param:
+    name: str
+    is_constexpr: bool
+    do_not_specialize: bool = False
+
+
+class _Binary:
+    """A compiled kernel as Triton returns it: ``run`` is the binary's launcher."""
+
+    def __init__(self, launches: list):
+        self.function, self.packed_metadata, self.launches = object(), object(), launches
+
+    def run(self, *args):
+        self.launches.append(args)
+
+
+class _FakeJIT:
+    """``kernel[grid](*args, **kwargs)`` binds, 'compiles' (a new _Binary per distinct Triton
+    key) and returns the binary, like Triton's JITFunction.run."""
+
+    # ptr_a, ptr_b, n (unspecialized), stride (specialized), then constexprs
+    params = [_Param("ptr_a", False), _Param("ptr_b", False), _Param("n", False, True), _Param("stride", False),
+              _Param("BLOCK", True), _Param("MODE", True)]  # fmt: skip
+
+    def __init__(self):
+        self.slow_calls, self.launches, self.binaries = 0, [], {}
+
+    def triton_key(self, args, kwargs):
+        a, b, n, stride = args
+        spec = [(t.dtype, t.data_ptr() % 16 == 0) for t in (a, b)]
+        spec += [n < 2**31, (stride, stride % 16 == 0, stride == 1)]
+        return tuple(spec), tuple(sorted(kwargs.items()))
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.slow_calls += 1
+            binary = self.binaries.setdefault(self.triton_key(args, kwargs), _Binary(self.launches))
+            # Triton's run hands the binary every bound argument, constexprs included, in order.
+            bound = inspect.signature(lambda ptr_a, ptr_b, n, stride, BLOCK, MODE, num_warps, **o: None).bind(
+                *args, **kwargs)  # fmt: skip
+            binary.run(grid[0], 1, 1, "stream", binary.function, binary.packed_metadata, None, None, None,
+                       *[bound.arguments[p.name] for p in self.params])  # fmt: skip
+            return binary
+
+        return run
+
+
+class _FakeDriver:
+    class active:  # noqa: N801 - the attribute path Triton's driver module has
+        @staticmethod
+        def get_current_stream(device_index):
+            return "stream"
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    monkeypatch.setattr(tb, "_driver", lambda: _FakeDriver)
+    monkeypatch.setattr(tb, "_hooks_unset", lambda: True)
+    fn = _FakeJIT()
+    return fn, tb._DirectLauncher(fn, num_pointers=2)
+
+
+def _buf(n=64, offset=0, dtype=torch.float32):
+    return torch.empty(n + 8, dtype=dtype)[offset : offset + n]
+
+
+def test_reuses_the_binary_with_arguments_in_signature_order(fake):
+    fn, launcher = fake
+    a, b = _buf(), _buf()
+    cx = {"MODE": 2, "BLOCK": 32}  # keyword order differs from the signature's
+    launcher(5, (a, b, 100, 64), cx, 4, False, 0)
+    launcher(6, (a, b, 101, 64), cx, 4, False, 0)  # another n: Triton does not specialize it
+    assert fn.slow_calls == 1 and len(fn.launches) == 2
+    direct = fn.launches[1]
+    assert direct[0] == 6 and direct[3] == "stream"
+    assert direct[9:] == (a, b, 101, 64, 32, 2)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["misaligned pointer", "pointer dtype", "stride value", "n == 1", "n past 2**31", "constexpr", "num_warps",
+     "pdl", "device"],
+)  # fmt: skip
+def test_any_change_triton_specializes_on_takes_tritons_path(fake, change):
+    fn, launcher = fake
+    a, b = _buf(), _buf()
+    args, cx, nw, pdl, dev = (a, b, 100, 64), {"BLOCK": 32, "MODE": 2}, 4, False, 0
+    launcher(1, args, cx, nw, pdl, dev)
+    if change == "misaligned pointer":
+        args = (_buf(offset=1), b, 100, 64)  # 4 bytes past an aligned start
+    elif change == "pointer dtype":
+        args = (a, _buf(dtype=torch.int32), 100, 64)
+    elif change == "stride value":
+        args = (a, b, 100, 48)
+    elif change == "n == 1":
+        args = (a, b, 1, 64)
+    elif change == "n past 2**31":
+        args = (a, b, 2**31, 64)
+    elif change == "constexpr":
+        cx = {"BLOCK": 64, "MODE": 2}
+    elif change == "num_warps":
+        nw = 8
+    elif change == "pdl":
+        pdl = True
+    else:
+        dev = 1
+    launcher(1, args, cx, nw, pdl, dev)
+    assert fn.slow_calls == 2
+
+
+def test_no_direct_path_without_a_device_or_with_hooks(fake, monkeypatch):
+    fn, launcher = fake
+    args, cx = (_buf(), _buf(), 100, 64), {"BLOCK": 32, "MODE": 2}
+    for _ in range(2):
+        launcher(1, args, cx, 4, False, None)  # CPU tensors / ROCm / switched off
+    assert fn.slow_calls == 2
+    monkeypatch.setattr(tb, "_hooks_unset", lambda: False)  # a profiler's launch hook must be called
+    for _ in range(2):
+        launcher(1, args, cx, 4, False, 0)
+    assert fn.slow_calls == 4
+
+
+def test_binary_cache_is_bounded(fake, monkeypatch):
+    fn, launcher = fake
+    monkeypatch.setattr(tb._DirectLauncher, "MAX_ENTRIES", 4)
+    a, b = _buf(), _buf()
+    for stride in range(16, 16 * 12, 16):
+        launcher(1, (a, b, 100, stride), {"BLOCK": 32, "MODE": 2}, 4, False, 0)
+    assert len(launcher.kernels) <= 4
+
+
+def test_hooks_unset_reads_tritons_knobs(monkeypatch):
+    knobs = pytest.importorskip("triton.knobs")
+    assert tb._hooks_unset() in (True, False)
+    chain = knobs.runtime.launch_enter_hook
+    if type(chain).__name__ == "HookChain":  # Triton 3.8: an empty chain means no hook
+        assert tb._hooks_unset()
+        hook = lambda metadata: None  # noqa: E731
+        chain.add(hook)
+        try:
+            assert not tb._hooks_unset()
+        finally:
+            chain.remove(hook)
+    else:
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
+        assert not tb._hooks_unset()
+
+
+def _kernel_params() -> list[tuple[str, bool]]:
+    """(name, is constexpr) of the kernel's parameters, from its Python source (any Triton mode)."""
+    sig = inspect.signature(tb._mla_rope_cache_kernel.fn)
+    return [(name, "constexpr" in str(p.annotation)) for name, p in sig.parameters.items()]
+
+
+def test_the_kernel_takes_pointers_and_integers_first_then_constexprs():
+    params = _kernel_params()
+    constexpr = [c for _, c in params]
+    n = constexpr.index(True)
+    assert n == 11 + 23 and all(constexpr[n:])
+
+
+@pytest.mark.parametrize("op", [1, 2, 3])
+def test_launch_hands_every_parameter_over(op, monkeypatch):
+    """What _launch passes is exactly the kernel's parameter list: runtime ones in order, then
+    every constexpr by name (the direct launcher reorders those by signature)."""
+    captured = {}
+    monkeypatch.setattr(tb, "_launcher", lambda grid, runtime, constexprs, *a: captured.update(r=runtime, c=constexprs))
+    T, H, L, R, P = 3, 2, 16, 8, 4
+    p = Problem(num_tokens=T, num_heads=H, kv_lora_rank=L, rope_dim=R, cache_dtype=torch.bfloat16,
+                q_out_dtype=torch.bfloat16 if op == 2 else None, nope_dim=P if op == 3 else None,
+                k_out_dtype=torch.bfloat16 if op == 3 else None)  # fmt: skip
+    pos, slots = torch.arange(T), torch.arange(T)
+    q_pe, k_pe, kv_c = torch.randn(T, H, R), torch.randn(T, 1, R), torch.randn(T, L)
+    cos, cache = torch.randn(32, R), torch.empty(4, 4, L + R, dtype=torch.bfloat16)
+    if op == 1:
+        tb.rope_cache_write(p, pos, q_pe, k_pe, kv_c, cos, True, slots, cache, None)
+    elif op == 2:
+        tb.decode_rope_cache_write(p, pos, torch.randn(T, H, L), q_pe, k_pe, kv_c, cos, True, slots, cache,
+                                   torch.empty(T, H, L + R), None, None, True)  # fmt: skip
+    else:
+        tb.prefill_rope_cache_write(p, pos, q_pe, k_pe, kv_c, torch.randn(T, H, P), cos, True, slots, cache,
+                                    torch.empty(T, H, P + R), None)  # fmt: skip
+    params = _kernel_params()
+    runtime_names = [name for name, c in params if not c]
+    assert len(captured["r"]) == len(runtime_names)
+    assert all(isinstance(x, torch.Tensor) for x in captured["r"][:11])
+    assert all(isinstance(x, int) for x in captured["r"][11:])
+    assert sorted(captured["c"]) == sorted(name for name, c in params if c)
+    assert captured["r"][11] == T  # num_tokens
