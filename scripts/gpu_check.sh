@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project checks on a GPU, in one call (device time is scarce):
-#   scripts/gpu_check.sh [tests] [sanitizer] [memcheck] [bench] [quickbench] [epilogue] [hostcost] [tune]
+#   scripts/gpu_check.sh [tests] [sanitizer] [memcheck] [bench] [quickbench] [epilogue] [hostcost] [ncu] [tune]
 #   (default: tests sanitizer bench)
 # Logs and results go under $OUT (default ./gpu_out). Needs torch + triton + pytest; no vLLM.
 # AITER's Triton op joins the cross-check test and the benchmark when third_party_aiter/ is
@@ -61,6 +61,17 @@ for stage in $stages; do
   hostcost)
     echo "== host time per call"
     python3 benchmarks/host_overhead.py --out "$OUT" 2>&1 | tee "$OUT/host_overhead.log" || status=1
+    ;;
+  ncu)
+    # Hardware counters of the kernel at the shapes whose efficiency targets are missed
+    # (docs/performance.md, "What bounds it"); clocks left alone, as the device notes ask.
+    echo "== ncu: benchmarks/ncu_shapes.py"
+    python3 benchmarks/ncu_shapes.py >/dev/null 2>&1  # compile outside the profiler first
+    timeout 240 ncu --clock-control none --target-processes all -k regex:_mla_rope_cache_kernel \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+      --section LaunchStats --section SchedulerStats python3 benchmarks/ncu_shapes.py >"$OUT/ncu_shapes.txt" 2>&1 || status=1
+    grep -E "launch [0-9]+:|_mla_rope_cache_kernel|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Eligible Warps|No Eligible" \
+      "$OUT/ncu_shapes.txt" | head -n 120
     ;;
   tune)
     echo "== launch tuner (issue 10 shapes)"

@@ -137,7 +137,7 @@ for stage in $stages; do
   env) stage_env || status=1 ;;
   tests) stage_tests || status=1 ;;
   e2e1) stage_e2e part1 --kv-cache-dtypes auto --runs 2 || status=1 ;;
-  e2e2) stage_e2e part2 --kv-cache-dtypes fp8 --runs 2 --extra-pairs auto || status=1 ;;
+  e2e2) stage_e2e part2 --kv-cache-dtypes fp8 --runs "${E2E_RUNS:-2}" --extra-pairs auto || status=1 ;;
   *) echo "unknown stage $stage (install env tests e2e1 e2e2)"; status=2 ;;
   esac
 done
