@@ -24,26 +24,25 @@ export OUT PYTHONUNBUFFERED=1
 left() { echo $((TOTAL_S - SECONDS)); }
 status=0
 
-case ${1:-} in
-first)
+# vLLM's install in the background while the kernel's GPU tests run on the image's own
+# torch 2.11 / Triton 3.6 (no PYTHONPATH to the carried stack); the install keeps the CPUs busy.
+install_during_kernel_tests() {
   TOTAL_S=$(left) scripts/gpu_vllm_check.sh install >"$OUT/install_stage.log" 2>&1 &
-  install_pid=$!
-  # The kernel on the image's own torch/Triton (no PYTHONPATH to the carried stack), while
-  # the install keeps the CPUs busy.
-  timeout "${KERNEL_TESTS_S:-210}" scripts/gpu_check.sh tests || status=1
+  local install_pid=$!
+  timeout "${KERNEL_TESTS_S:-$1}" scripts/gpu_check.sh tests || status=1
   wait "$install_pid" || { echo "install failed:"; tail -n 20 "$OUT/install_stage.log"; exit 1; }
   tail -n 3 "$OUT/install_stage.log"
+}
+
+case ${1:-} in
+first)
+  install_during_kernel_tests 210
   TOTAL_S=$(left) scripts/gpu_vllm_check.sh env tests || status=1
   ;;
 host)
-  # A lease where only the host path changed: install in the background while the kernel's
-  # GPU tests run on the image's torch 2.11 / Triton 3.6; then the host cost per call on the
-  # carried torch 2.14 / Triton 3.8 (the e2e calls follow).
-  TOTAL_S=$(left) scripts/gpu_vllm_check.sh install >"$OUT/install_stage.log" 2>&1 &
-  install_pid=$!
-  timeout "${KERNEL_TESTS_S:-240}" scripts/gpu_check.sh tests || status=1
-  wait "$install_pid" || { echo "install failed:"; tail -n 20 "$OUT/install_stage.log"; exit 1; }
-  tail -n 3 "$OUT/install_stage.log"
+  # A lease where only the host path changed: then the host cost per call on the carried
+  # torch 2.14 / Triton 3.8 (the e2e calls follow).
+  install_during_kernel_tests 240
   PYTHONPATH=$SITE_DIR timeout 60 scripts/gpu_check.sh hostcost || status=1
   ;;
 e2e)
