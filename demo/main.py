@@ -32,7 +32,9 @@ from . import cpu_stand_ins, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 ON_GPU = torch.cuda.is_available()
-PLUGIN_LINE = "vllm-mla-fusion:"
+# The plugin's log lines: "vllm-mla-fusion: ..." and, for the lines every rank logs,
+# "vllm-mla-fusion (rank 0, local rank 0): ..." (vllm_plugin/layer.py).
+PLUGIN_LINE = re.compile(r"vllm-mla-fusion(?: \([^()]*\))?: ")
 UNKNOWN_ENV = "Unknown vLLM environment variable"
 CPU_MLA_OVERRIDE = "forcing chunked prefill and prefix caching to be disabled"
 WHEEL_KERNELS = "Failed to import from vllm._C"
@@ -41,6 +43,11 @@ WHEEL_KERNELS = "Failed to import from vllm._C"
 def log_message(line: str) -> str:
     """A vLLM log line without its process prefix and timestamp."""
     return re.sub(r"^\(\w+ pid=\d+\) ", "", line).strip()
+
+
+def plugin_lines(lines: list[str]) -> list[str]:
+    """The plugin's own log lines among a run's log lines, without their process prefix."""
+    return [log_message(x) for x in lines if PLUGIN_LINE.search(x)]
 
 
 def run_generation(model_dir: Path, plugin: bool, log_path: Path) -> tuple[dict, list[str]]:
@@ -249,7 +256,7 @@ def report(on: dict, off: dict, log_on: list[str], log_off: list[str]) -> bool:
     for tag, lines in (("plugin on ", log_on), ("plugin off", log_off)):
         # With VLLM_MLA_FUSION=0 the plugin builds no layer, and vLLM configures its logging only
         # after loading plugins in this process, so register()'s own info line does not show.
-        said = [log_message(x) for x in lines if PLUGIN_LINE in x] or ["(none: no fused layer was built)"]
+        said = plugin_lines(lines) or ["(none: no fused layer was built)"]
         print(f"plugin log, {tag}: {said[0]}")
         for extra in said[1:]:
             print(f"{'':<23}{extra}")
