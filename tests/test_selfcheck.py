@@ -24,7 +24,7 @@ def test_rotation_agrees_with_the_tests_reference(is_neox):
 
 
 @pytest.mark.parametrize("backend", OP_BACKENDS)
-@pytest.mark.parametrize("op", ["rope_cache_write", "decode"])
+@pytest.mark.parametrize("op", ["rope_cache_write", "decode", "prefill"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_backends_pass(backend, op, fp8):
     pristine = S._inputs(5, 4, CPU, fp8, seed=9)
@@ -56,3 +56,21 @@ def test_errors_are_caught():
     S._call("decode", z, "torch")
     z["k_pe"][0, 0] += 1  # the decode op must leave k_pe alone
     assert S._compare("decode", z, pristine, S._expected("decode", pristine)) == float("inf")
+
+
+def test_prefill_key_errors_are_caught():
+    """The key's nope part, one head's rope part, and a q_pe left unrotated are each noticed."""
+    op = "prefill"
+    pristine = S._inputs(5, 4, CPU, fp8=False, seed=9)
+    want = S._expected(op, pristine)
+    for damage in ("nope", "rope of one head", "q_pe"):
+        x = S._inputs(5, 4, CPU, fp8=False, seed=9)
+        S._call(op, x, "torch")
+        assert S._compare(op, x, pristine, want) <= 0.5 + 1e-3
+        if damage == "nope":
+            x["k_out"][1, 2, 3] = x["k_out"][1, 2, 3].float() * (1 + 2**-6)
+        elif damage == "rope of one head":
+            x["k_out"][3, 1, -5] = x["k_out"][3, 1, -5].float() * (1 + 2**-6)
+        else:
+            x["q_pe"].copy_(pristine["q_pe"])
+        assert S._compare(op, x, pristine, want) > 1, damage

@@ -1,7 +1,8 @@
 """Kernel self-check: ``python -m vllm_mla_fusion.selfcheck`` (the last part of ``./scripts/demo.sh``).
 
-Runs both ops on every backend available on this machine at DeepSeek-V3 shapes
-(kv_lora_rank 512, rope dim 64, TP8 and TP1 head counts), compares each with
+Runs the three ops (RoPE + cache write, the decode query, the prefill key) on
+every backend available on this machine at DeepSeek-V3 shapes (kv_lora_rank
+512, rope dim 64, nope dim 128, TP8 and TP1 head counts), compares each with
 an independent float64 evaluation of the ops' specification (below), and
 prints a small timing table. On a CPU-only
 machine the Triton kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``),
@@ -18,7 +19,7 @@ import time
 
 import torch
 
-from . import available_backends, mla_decode_rope_cache_write, mla_rope_cache_write
+from . import available_backends, mla_decode_rope_cache_write, mla_prefill_rope_cache_write, mla_rope_cache_write
 from .fp8 import platform_fp8_e4m3
 
 L, R = 512, 64
@@ -52,6 +53,9 @@ def _inputs(T: int, H: int, device: torch.device, fp8: bool, seed: int) -> dict:
         ql_nope=randn(T, H, L),
         q_out=torch.empty(T, H, L + R, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=device),
         q_scale=torch.tensor([0.25], device=device) if fp8 else None,
+        k_nope=randn(T, H, 128 + 128)[..., :128],  # the nope half of kv_b_proj's output, a view
+        # fp8 key: what vLLM's fp8 prefill attention takes (saturate(x), no scale)
+        k_out=torch.empty(T, H, 128 + R, dtype=platform_fp8_e4m3(device) if fp8 else torch.bfloat16, device=device),
     )
 
 
@@ -60,6 +64,10 @@ def _call(op: str, x: dict, backend: str) -> None:
         mla_rope_cache_write(x["positions"], x["q_pe"], x["k_pe"], x["kv_c"], x["cos_sin_cache"], x["is_neox"],
                              x["slot_mapping"], x["kv_cache"], x["kv_cache_dtype"], x["kv_cache_scale"],
                              backend=backend)  # fmt: skip
+    elif op == "prefill":
+        mla_prefill_rope_cache_write(x["positions"], x["q_pe"], x["k_pe"], x["kv_c"], x["k_nope"],
+                                     x["cos_sin_cache"], x["is_neox"], x["slot_mapping"], x["kv_cache"], x["k_out"],
+                                     x["kv_cache_dtype"], x["kv_cache_scale"], backend=backend)  # fmt: skip
     else:
         mla_decode_rope_cache_write(x["positions"], x["ql_nope"], x["q_pe"], x["k_pe"], x["kv_c"],
                                     x["cos_sin_cache"], x["is_neox"], x["slot_mapping"], x["kv_cache"], x["q_out"],
@@ -67,7 +75,8 @@ def _call(op: str, x: dict, backend: str) -> None:
 
 
 def _outputs(op: str, x: dict) -> dict:
-    names = ("q_pe", "k_pe", "kv_cache") if op == "rope_cache_write" else ("q_out", "kv_cache")
+    names = {"rope_cache_write": ("q_pe", "k_pe", "kv_cache"), "prefill": ("q_pe", "k_pe", "kv_cache", "k_out"),
+             "decode": ("q_out", "kv_cache")}[op]  # fmt: skip
     return {n: x[n] for n in names}
 
 
@@ -114,10 +123,15 @@ def _expected(op: str, x: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor, f
             cache_val[row] = torch.cat((x["kv_c"][t].double(), k_rot[t]))
             cache_mag[row] = torch.cat((torch.zeros_like(x["kv_c"][t], dtype=torch.float64), k_mag[t]))
     want = {"kv_cache": (cache_val, cache_mag, kv_scale)}
-    if op == "rope_cache_write":
+    if op in ("rope_cache_write", "prefill"):
         want["q_pe"] = (q_rot, q_mag, 1.0)
         want["k_pe"] = (k_rot, k_mag, 1.0)
-    else:
+    if op == "prefill":
+        # Every head's key: [k_nope | rope(k_pe)], the rope part shared by the heads.
+        nope, H = x["k_nope"].double(), x["k_nope"].shape[1]
+        rope, rope_mag = (t.reshape(T, 1, R).expand(T, H, R) for t in (k_rot, k_mag))
+        want["k_out"] = (torch.cat((nope, rope), -1), torch.cat((torch.zeros_like(nope), rope_mag), -1), 1.0)
+    elif op == "decode":
         q_scale = float(x["q_scale"]) if x["q_scale"] is not None else 1.0
         nope = x["ql_nope"].double()
         want["q_out"] = (torch.cat((nope, q_rot), -1), torch.cat((torch.zeros_like(nope), q_mag), -1), q_scale)
@@ -193,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         print("does, so its bf16 outputs show up to 1 ulp here.")
     print(f"{'op':<18}{'cache':<6}{'T':>6}{'H':>5}  " + "".join(f"{b + ' us':>14}{'err ulp':>9}" for b in backends))
     failures = 0
-    for op in ("rope_cache_write", "decode"):
+    for op in ("rope_cache_write", "decode", "prefill"):
         for fp8 in (False, True):
             for T, H in shapes:
                 pristine = _inputs(T, H, device, fp8, seed=T + H)
@@ -211,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(row, flush=True)
     print("us: median wall time per eager call (host overhead included; benchmarks/ has GPU timings).")
     print("err ulp: worst difference from an independent float64 evaluation of the spec, in units of the stored")
-    print("  format's spacing at the exact value (bf16, or fp8 e4m3 after scaling); 0.5 = correctly rounded,")
+    print("  format's spacing at the exact value (bf16, or fp8 e4m3 after any scaling); 0.5 = correctly rounded,")
     print("  <= 1 passes (float32 arithmetic of the rotation allowed on top); inf: bytes the op must not")
     print("  touch changed.")
     if failures:
