@@ -34,6 +34,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import driver as _triton_driver
 
 from .. import fp8
 from ..validation import Problem
@@ -476,7 +477,8 @@ class _DirectLauncher:
     16-byte alignment; every integer's exact value, except the three parameters Triton does
     not specialize (``do_not_specialize``), which only keep their 32/64-bit class; every
     constexpr; the launch options; the device. Launch hooks (profilers such as proton) take
-    Triton's path, which calls them.
+    Triton's path, which calls them. Triton's process-wide compile knobs (``TRITON_DEBUG``,
+    instrumentation) are assumed not to change once the process has launched the kernel.
     """
 
     MAX_ENTRIES = 1024
@@ -526,9 +528,7 @@ _launcher = _DirectLauncher(_mla_rope_cache_kernel, num_pointers=11)
 
 
 def _driver():
-    from triton.runtime import driver
-
-    return driver
+    return _triton_driver
 
 
 def _hooks_unset() -> bool:
