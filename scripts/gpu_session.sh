@@ -12,7 +12,7 @@
 #                                   epilogue section and the op 1 / op 2 shapes of issue 10 with vLLM's
 #                                   kernels (K3 included) as peers; the host-cost probe; the launch
 #                                   tuner on issue 10's shapes; on torch 2.14 / Triton 3.8
-# The 22 carried vLLM pieces must be in /tmp/acc before "first" (scripts/pack_vllm_h200.sh --list).
+# The carried vLLM pieces must be in /tmp/acc before "first" (scripts/pack_vllm_h200.sh --list).
 # Everything lands under $OUT; each call stays inside ${TOTAL_S:-585} seconds.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
