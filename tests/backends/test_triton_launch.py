@@ -116,7 +116,7 @@ class _FakeDriver:
 
 @pytest.fixture
 def fake(monkeypatch):
-    monkeypatch.setattr(tb, "_driver", lambda: _FakeDriver)
+    monkeypatch.setattr(tb, "_triton_driver", _FakeDriver)
     monkeypatch.setattr(tb, "_hooks_unset", lambda: True)
     fn = _FakeJIT()
     return fn, tb._DirectLauncher(fn, num_pointers=2)

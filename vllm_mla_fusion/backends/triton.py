@@ -34,6 +34,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton import knobs as _triton_knobs
 from triton.runtime import driver as _triton_driver
 
 from .. import fp8
@@ -506,18 +507,18 @@ class _DirectLauncher:
 
     def __call__(self, grid: int, runtime: tuple, constexprs: dict, num_warps: int, pdl: bool,
                  device_index: int | None) -> None:  # fmt: skip
-        direct = self.usable and device_index is not None and _hooks_unset()
-        values = [constexprs[name] for name in self.constexpr_names] if direct else None
-        if direct:
+        key = None
+        if self.usable and device_index is not None and _hooks_unset():
+            values = [constexprs[name] for name in self.constexpr_names]
             key = self._key(runtime, values, (num_warps, pdl), device_index)
             kernel = self.kernels.get(key)
             if kernel is not None:
-                stream = _driver().active.get_current_stream(device_index)
+                stream = _triton_driver.active.get_current_stream(device_index)
                 kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
                            *runtime, *values)  # fmt: skip
                 return
         kernel = self.fn[(grid,)](*runtime, **constexprs, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
-        if direct and kernel is not None:
+        if key is not None and kernel is not None:
             if len(self.kernels) >= self.MAX_ENTRIES:
                 self.kernels.clear()
             self.kernels[key] = kernel
@@ -527,16 +528,10 @@ class _DirectLauncher:
 _launcher = _DirectLauncher(_mla_rope_cache_kernel, num_pointers=11)
 
 
-def _driver():
-    return _triton_driver
-
-
 def _hooks_unset() -> bool:
     """No launch hook is installed: None (Triton 3.6) or an empty HookChain (Triton 3.8)."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is None:
-        return False
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    runtime = _triton_knobs.runtime
+    hooks = (runtime.launch_enter_hook, runtime.launch_exit_hook)
     return all(h is None or (type(h).__name__ == "HookChain" and not h.calls) for h in hooks)
 
 
@@ -660,12 +655,13 @@ def _launch(p: Problem, op: int, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_
         BLOCK_T=cfg["BLOCK_T"], BLOCK_ROWS=cfg["BLOCK_ROWS"], BLOCK_L=cfg["BLOCK_L"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_H=cfg["BLOCK_H"], BLOCK_R2=_pow2(R // 2), USE_PDL=cfg["USE_PDL"],
     )  # fmt: skip
-    device_index = q_pe.get_device() if q_pe.is_cuda and _direct_launch_ok(q_pe.device) else None
+    gpu = q_pe.get_device() if q_pe.is_cuda else None
     # The launch must happen on the tensors' device, not the current one (a multi-GPU
     # process would otherwise launch on the wrong GPU: "an illegal memory access").
-    on_other_gpu = q_pe.is_cuda and q_pe.get_device() != torch.cuda.current_device()
-    with torch.cuda.device(q_pe.device) if on_other_gpu else contextlib.nullcontext():
-        _launcher(n_cache + n_query, runtime, constexprs, cfg["num_warps"], cfg["USE_PDL"], device_index)
+    on_other_gpu = gpu is not None and gpu != torch.cuda.current_device()
+    with torch.cuda.device(gpu) if on_other_gpu else contextlib.nullcontext():
+        _launcher(n_cache + n_query, runtime, constexprs, cfg["num_warps"], cfg["USE_PDL"],
+                  gpu if gpu is not None and _direct_launch_ok(q_pe.device) else None)  # fmt: skip
 
 
 def rope_cache_write(
