@@ -77,27 +77,21 @@ if os.environ.get("MLA_FUSION_E2E_CPU_STANDINS") == "1":
 
     _cpu_stand_ins.install()
 
+from demo.tiny_model import DSV3_ARCHITECTURE, yarn_rope_scaling  # noqa: E402
+
 NUM_LAYERS = 61
 # DeepSeek-V3 with the shapes of one tensor-parallel rank at TP8: 128/8 = 16 heads, the
 # dense MLP's 18432/8 = 2304 intermediate in every layer (no MoE, to fit one GPU), full
 # hidden size and vocabulary, DeepSeek-V3's YaRN rope.
 DSV3_TP8_CONFIG = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "model_type": "deepseek_v3",
+    **DSV3_ARCHITECTURE,
     "hidden_size": 7168,
     "num_attention_heads": 16,
     "num_key_value_heads": 16,
-    "q_lora_rank": 1536,
-    "kv_lora_rank": 512,
-    "qk_rope_head_dim": 64,
-    "qk_nope_head_dim": 128,
-    "v_head_dim": 128,
     "num_hidden_layers": NUM_LAYERS,
     "intermediate_size": 2304,
     "moe_intermediate_size": 256,
     "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
-    "n_shared_experts": 1,
     "first_k_dense_replace": NUM_LAYERS,
     "moe_layer_freq": 1,
     "n_group": 1,
@@ -105,19 +99,7 @@ DSV3_TP8_CONFIG = {
     "routed_scaling_factor": 2.5,
     "vocab_size": 129280,
     "max_position_embeddings": 163840,
-    "rope_theta": 10000,
-    "rms_norm_eps": 1e-6,
-    "torch_dtype": "bfloat16",
-    "tie_word_embeddings": False,
-    "rope_scaling": {
-        "type": "yarn",
-        "factor": 40,
-        "original_max_position_embeddings": 4096,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-    },
+    "rope_scaling": yarn_rope_scaling(40, 4096),
 }
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFILL_LENS = (1024, 4096, 16384)

@@ -25,44 +25,56 @@ from pathlib import Path
 
 import torch
 
-NUM_LAYERS = 3
-CONFIG = {
+# DeepSeek-V3's architecture as vLLM's DeepseekV3ForCausalLM reads it: its MLA dims, LoRA
+# ranks and norms. The models built on it (this one, the GPU tests', the end-to-end
+# benchmark's) set the sizes: hidden size, heads, layers, MLP, vocabulary, rope range.
+DSV3_ARCHITECTURE = {
     "architectures": ["DeepseekV3ForCausalLM"],
     "model_type": "deepseek_v3",
-    "hidden_size": 256,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
     "q_lora_rank": 1536,
     "kv_lora_rank": 512,
     "qk_rope_head_dim": 64,
     "qk_nope_head_dim": 128,
     "v_head_dim": 128,
-    "num_hidden_layers": NUM_LAYERS,
-    "intermediate_size": 256,
-    "moe_intermediate_size": 64,
-    "n_routed_experts": 4,
     "num_experts_per_tok": 2,
     "n_shared_experts": 1,
-    "first_k_dense_replace": NUM_LAYERS,  # every layer dense
-    "vocab_size": 512,
-    "max_position_embeddings": 4096,
     "rope_theta": 10000,
     "rms_norm_eps": 1e-6,
     "torch_dtype": "bfloat16",
     "tie_word_embeddings": False,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    # DeepSeek-V3's own rope scaling, shrunk: yarn -> DeepseekScalingRotaryEmbedding,
-    # GPT-J (interleaved) rotation.
-    "rope_scaling": {
+}
+
+
+def yarn_rope_scaling(factor: int, original_max_position_embeddings: int) -> dict:
+    """DeepSeek-V3's rope scaling (yarn -> vLLM's DeepseekScalingRotaryEmbedding, GPT-J rotation)."""
+    return {
         "type": "yarn",
-        "factor": 32,
-        "original_max_position_embeddings": 128,
+        "factor": factor,
+        "original_max_position_embeddings": original_max_position_embeddings,
         "beta_fast": 32,
         "beta_slow": 1,
         "mscale": 1.0,
         "mscale_all_dim": 1.0,
-    },
+    }
+
+
+NUM_LAYERS = 3
+CONFIG = {
+    **DSV3_ARCHITECTURE,
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": NUM_LAYERS,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "n_routed_experts": 4,
+    "first_k_dense_replace": NUM_LAYERS,  # every layer dense
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    # DeepSeek-V3's own rope scaling, shrunk.
+    "rope_scaling": yarn_rope_scaling(32, 128),
 }
 BOS, EOS = "<s>", "</s>"
 

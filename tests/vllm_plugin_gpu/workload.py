@@ -28,44 +28,26 @@ import os
 import random
 from dataclasses import asdict, dataclass
 
+from demo.tiny_model import DSV3_ARCHITECTURE, yarn_rope_scaling
+
 NUM_LAYERS = 2
 
 # Tiny DeepSeek-V3-architecture model: DeepSeek-V3's per-head MLA dims and TP8 head
 # count (16), everything else small. Dense MLP in both layers (first_k_dense_replace).
 MODEL_CONFIG = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "model_type": "deepseek_v3",
+    **DSV3_ARCHITECTURE,
     "hidden_size": 1024,
     "num_attention_heads": 16,
     "num_key_value_heads": 16,
-    "q_lora_rank": 1536,
-    "kv_lora_rank": 512,
-    "qk_rope_head_dim": 64,
-    "qk_nope_head_dim": 128,
-    "v_head_dim": 128,
     "num_hidden_layers": NUM_LAYERS,
     "intermediate_size": 1024,
     "moe_intermediate_size": 64,
     "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-    "n_shared_experts": 1,
     "first_k_dense_replace": NUM_LAYERS,
     "vocab_size": 4096,
     "max_position_embeddings": 4096,
-    "rope_theta": 10000,
-    "rms_norm_eps": 1e-6,
-    "torch_dtype": "bfloat16",
-    "tie_word_embeddings": False,
-    # DeepSeek-V3's rope scaling, shrunk: yarn -> DeepseekScalingRotaryEmbedding, GPT-J rotation.
-    "rope_scaling": {
-        "type": "yarn",
-        "factor": 32,
-        "original_max_position_embeddings": 128,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-    },
+    # DeepSeek-V3's rope scaling, shrunk.
+    "rope_scaling": yarn_rope_scaling(32, 128),
 }
 # The CPU smoke run: vLLM's CPU platform has CPU_MLA only, which needs small heads counts
 # to stay fast in the test stand-ins; float32 makes on/off exactly comparable there.
