@@ -155,7 +155,8 @@ def test_ineligible_layer_is_vllms_layer(vllm_cpu, plugin_off, monkeypatch, capl
     assert torch.equal(H.mla_layer(on)[1].kv_cache, H.mla_layer(off)[1].kv_cache)
 
 
-def test_setup_failure_falls_back_with_one_warning(vllm_cpu, plugin_off, monkeypatch, caplog):
+def _build_two_with_failing_setup(vllm_cpu, monkeypatch, caplog) -> tuple[list, list]:
+    """Two layers built while the plugin's setup raises; (layers, the warnings naming the failure)."""
     from vllm_mla_fusion.vllm_plugin import eligibility, register
 
     marker = f"simulated setup failure {uuid.uuid4().hex}"
@@ -167,10 +168,14 @@ def test_setup_failure_falls_back_with_one_warning(vllm_cpu, plugin_off, monkeyp
     register()
     with caplog.at_level(logging.WARNING, logger=PLUGIN_LOGGER):
         layers = [vllm_cpu.build_attention() for _ in range(2)]
+    return layers, [r for r in caplog.records if marker in r.getMessage()]
+
+
+def test_setup_failure_falls_back_with_one_warning(vllm_cpu, plugin_off, monkeypatch, caplog):
+    layers, warnings = _build_two_with_failing_setup(vllm_cpu, monkeypatch, caplog)
     for attn in layers:
         assert attn.mla_attn.fusion_mode is None
         assert type(H.mla_layer(attn)[1]).__name__ == "MLAAttention"  # never half-fused
-    warnings = [r for r in caplog.records if marker in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
 
 
@@ -210,19 +215,8 @@ def as_rank_3(vllm_cpu, monkeypatch):
 def test_setup_failure_on_another_rank_is_logged_there(vllm_cpu, plugin_off, as_rank_3, monkeypatch, caplog):
     """A setup failure on rank 3 alone (rank 0 fine) must be visible: the warning comes from every
     rank, once per process, naming the rank."""
-    from vllm_mla_fusion.vllm_plugin import eligibility, register
-
-    marker = f"simulated failure on one rank {uuid.uuid4().hex}"
-
-    def broken(*args):
-        raise RuntimeError(marker)
-
-    monkeypatch.setattr(eligibility, "decode_reason", broken)
-    register()
-    with caplog.at_level(logging.WARNING, logger=PLUGIN_LOGGER):
-        layers = [vllm_cpu.build_attention() for _ in range(2)]
+    layers, warnings = _build_two_with_failing_setup(vllm_cpu, monkeypatch, caplog)
     assert all(attn.mla_attn.fusion_mode is None for attn in layers)
-    warnings = [r for r in caplog.records if marker in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
     assert "(rank 3, local rank 3)" in warnings[0].getMessage()
 
