@@ -198,6 +198,15 @@ def timed(llm, prompts, max_tokens: int) -> float:
     return dt
 
 
+def timed_with_host(llm, prompts, max_tokens: int) -> tuple[float, dict]:
+    """``timed``, plus the engine's host record of the request (vllm_engine.install_host_timer)."""
+    import vllm_engine as E
+
+    llm.collective_rpc(E.read_host_timer)  # drop what earlier requests left
+    t = timed(llm, prompts, max_tokens)
+    return t, E.host_summary(llm.collective_rpc(E.read_host_timer)[0])
+
+
 class Bench:
     def __init__(self, args):
         self.args = args
@@ -410,6 +419,7 @@ class Bench:
             if modes != want or len(rec["facts"]["layers"]) != self.num_layers:
                 raise RuntimeError(f"plugin {side}: the engine built MLA layers in modes {modes}, expected {want}")
             rec["jit_hook"] = llm.collective_rpc(E.install_jit_hook)[0]
+            rec["host_timer"] = llm.collective_rpc(E.install_host_timer)[0]
             marks = {}
 
             def mark(name):
@@ -458,10 +468,15 @@ class Bench:
 
     def first_request(self, llm, prompts: Prompts) -> dict:
         a = self.args
-        first = timed(llm, prompts.take(1, a.prompt_len), 1)
-        rest = [timed(llm, prompts.take(1, a.prompt_len), 1) for _ in range(3)]
-        log(f"  first request {1e3 * first:.1f} ms, then {', '.join(f'{1e3 * x:.1f}' for x in rest)} ms")
-        return {"first_s": first, "next_s": rest, "excess_ms": 1e3 * (first - statistics.median(rest))}
+        times, hosts = [], []
+        for _ in range(4):
+            t, host = timed_with_host(llm, prompts.take(1, a.prompt_len), 1)
+            times.append(t)
+            hosts.append(host)
+        first, rest = times[0], times[1:]
+        log(f"  first request {1e3 * first:.1f} ms, then {', '.join(f'{1e3 * x:.1f}' for x in rest)} ms; "
+            f"execute_model {[h.get('execute_model_ms') for h in hosts]} ms")  # fmt: skip
+        return {"first_s": first, "next_s": rest, "excess_ms": 1e3 * (first - statistics.median(rest)), "host": hosts}
 
     def timing_pass(self, llm, prompts: Prompts, rec: dict, r: int) -> None:
         """One repeat over every decode batch (t_1, t_N) and prefill length (TTFT); pass 0 first
@@ -479,9 +494,13 @@ class Bench:
         for length in a.prefill_lens:
             if r == 0:
                 timed(llm, prompts.take(1, length), 1)
-            p = rec["prefill"].setdefault(str(length), {"ttft_s": []})
-            p["ttft_s"].append(timed(llm, prompts.take(1, length), 1))
-            log(f"  pass {r} prefill L={length:5d}: TTFT {1e3 * p['ttft_s'][-1]:.2f} ms")
+            p = rec["prefill"].setdefault(str(length), {"ttft_s": [], "host": []})
+            t, host = timed_with_host(llm, prompts.take(1, length), 1)
+            p["ttft_s"].append(t)
+            p["host"].append(host)
+            log(f"  pass {r} prefill L={length:5d}: TTFT {1e3 * t:.2f} ms; host: execute_model "
+                f"{host.get('execute_model_ms')} ms, sample_tokens {host.get('sample_tokens_ms')} ms, "
+                f"gc {host.get('gc_ms')} ms")  # fmt: skip
         self.finish_timing(rec)
 
     def finish_timing(self, rec: dict) -> None:
@@ -492,6 +511,8 @@ class Bench:
                      throughput_tok_s=int(b) * n / med(d["tN_s"]), decode_tok_s=int(b) / med(tpot))  # fmt: skip
         for p in rec["prefill"].values():
             p["ttft_ms_median"] = 1e3 * med(p["ttft_s"])
+            execs = [sum(h["execute_model_ms"]) for h in p.get("host", []) if h.get("execute_model_ms")]
+            p["execute_model_ms_median"] = med(execs) if execs else None
 
     def profile(self, llm, prompts: Prompts, prof_dir: Path, idx: int) -> dict:
         import vllm_engine as E
@@ -514,13 +535,16 @@ class Bench:
         t = time.perf_counter()
         trace = T.load(path)
         steps = [s for s in T.parse_steps(trace, E.CENSUS_CPU_OPS) if s.closed]
+        for s, host in zip(steps, T.host_breakdown(trace, steps)):
+            s.host = host
         out = {"trace": os.path.basename(path), "trace_bytes": os.path.getsize(path), "session_s": t_export,
                "unattributed_gpu_events": T.unattributed_gpu_events(trace, steps), "decode": {}, "prefill": {}}  # fmt: skip
         del trace
         for b in a.decode_batches:
             sel = [s for s in steps if s.kind == "decode" and s.gen_reqs == b]
             out["decode"][str(b)] = step_stats(sel, T)
-        for length in a.prefill_lens:
+        # The first request's shape (one decode prompt) is each B=1 request's first step.
+        for length in (a.prompt_len, *a.prefill_lens):
             sel = [s for s in steps if s.kind == "prefill" and s.ctx_tokens == length and s.ctx_reqs == 1]
             out["prefill"][str(length)] = step_stats(sel, T)
         out["parse_s"] = time.perf_counter() - t
@@ -552,7 +576,26 @@ def step_stats(steps, T) -> dict:
         "host_us_in_ops": {name: med([s.cpu_op_us.get(name, 0.0) for s in steps])
                            for name in sorted({n for s in steps for n in s.cpu_op_us})},  # fmt: skip
         "kernel_table": T.per_step_kernel_table(steps),
+        # The host span of execute_model and what fills it (vllm_trace.host_breakdown; the
+        # profiler inflates host time, alike for both sides).
+        "host_span_us": [s.dur for s in steps],
+        "host_span_us_median": med([s.dur for s in steps]),
+        **host_stats(steps),
     }
+
+
+def host_stats(steps, top: int = 14) -> dict:
+    """Medians over ``steps`` of the host time not inside any child event, and per child name
+    (count and us per step), the ``top`` largest."""
+    hosts = [s.host for s in steps if s.host]
+    if not hosts:
+        return {}
+    names = {n for h in hosts for n in h["children"]}
+    rows = {n: {"per_step": med([h["children"].get(n, (0, 0.0))[0] for h in hosts]),
+                "us_per_step": med([h["children"].get(n, (0, 0.0))[1] for h in hosts])} for n in names}  # fmt: skip
+    ranked = sorted(rows.items(), key=lambda kv: -kv[1]["us_per_step"])
+    return {"host_uncovered_us_median": med([h["uncovered"] for h in hosts]), "host_children": dict(ranked[:top]),
+            "host_children_other_us": sum(r["us_per_step"] for _, r in ranked[top:])}  # fmt: skip
 
 
 def attribute_jit(entries: list, marks: dict) -> list:
@@ -636,7 +679,9 @@ def summarize(report, args) -> dict:
         for length in args.prefill_lens:
             k = str(length)
             prefill[k] = {"ttft_ms": _pair(on, off, lambda e: e["prefill"][k]["ttft_ms_median"]),
-                          "busy_us": _pair(on, off, lambda e: e["profile"]["prefill"][k]["busy_us_median"])}  # fmt: skip
+                          "execute_model_ms": _pair(on, off, lambda e: e["prefill"][k]["execute_model_ms_median"]),
+                          "busy_us": _pair(on, off, lambda e: e["profile"]["prefill"][k]["busy_us_median"]),
+                          "host_span_us": _pair(on, off, lambda e: e["profile"]["prefill"][k]["host_span_us_median"])}  # fmt: skip
         first = {s: [1e3 * e["first_request"]["first_s"] for e in eng if "first_request" in e]
                  for s, eng in (("on", on), ("off", off))}  # fmt: skip
         excess = {s: [e["first_request"]["excess_ms"] for e in eng if "first_request" in e]
@@ -654,9 +699,41 @@ def summarize(report, args) -> dict:
                 except KeyError:
                     continue
                 diffs[str(b)] = T.kernel_diff(t_on, t_off)
+        host = {}
+        for length in (args.prompt_len, *args.prefill_lens):
+            rows_ = {side: [e["profile"]["prefill"].get(str(length), {}) for e in eng if "prefill" in e.get("profile", {})]
+                     for side, eng in (("on", on), ("off", off))}  # fmt: skip
+            host[str(length)] = host_comparison(rows_["on"], rows_["off"])
         out[kv] = {"decode": rows, "prefill": prefill, "first_request_ms": first, "first_request_excess_ms": excess,
-                   "jit_after_warmup": jit, "backend": _backend(on + off), "kernel_diff": diffs}  # fmt: skip
+                   "jit_after_warmup": jit, "backend": _backend(on + off), "kernel_diff": diffs,
+                   "prefill_host": host}  # fmt: skip
     return out
+
+
+def host_comparison(on: list, off: list) -> dict:
+    """Where a profiled prefill step's host span goes, on against off: per child event name, the
+    median over engines of us per step (and launches per step), plus the span and the uncovered
+    rest; rows ordered by the largest difference."""
+
+    def side(stats):
+        stats = [x for x in stats if x.get("host_children")]
+        names = {n for x in stats for n in x["host_children"]}
+        return {
+            "span": med([x["host_span_us_median"] for x in stats]) if stats else None,
+            "uncovered": med([x["host_uncovered_us_median"] for x in stats]) if stats else None,
+            "children": {n: (med([x["host_children"].get(n, {}).get("per_step", 0) for x in stats]),
+                             med([x["host_children"].get(n, {}).get("us_per_step", 0.0) for x in stats]))
+                         for n in names},  # fmt: skip
+        }
+
+    a, b = side(on), side(off)
+    names = set(a["children"]) | set(b["children"])
+    rows = {n: {"on_per_step": a["children"].get(n, (0, 0.0))[0], "off_per_step": b["children"].get(n, (0, 0.0))[0],
+                "on_us": a["children"].get(n, (0, 0.0))[1], "off_us": b["children"].get(n, (0, 0.0))[1]}
+            for n in names}  # fmt: skip
+    ranked = dict(sorted(rows.items(), key=lambda kv: -abs(kv[1]["on_us"] - kv[1]["off_us"])))
+    return {"span_us": {"on": a["span"], "off": b["span"]}, "uncovered_us": {"on": a["uncovered"], "off": b["uncovered"]},
+            "children": ranked}  # fmt: skip
 
 
 def _backend(engines):
@@ -707,15 +784,30 @@ def write_markdown(report, path: Path) -> None:
                 _f(row.get("tpot_delta_ms"), "{:+.3f}"), _f(row.get("tpot_noise_ms"), "{:.3f}"),
                 _f(row["throughput_tok_s"]["off"], "{:.0f}"), _f(row["throughput_tok_s"]["on"], "{:.0f}"),
             ]) + " |")  # fmt: skip
-        lines += ["", "| prefill L | TTFT off (ms) | on | GPU busy off (us) | on |", "|---|---|---|---|---|"]
+        lines += ["", "| prefill L | TTFT off (ms) | on | execute_model host off (ms) | on | GPU busy off (us) | on "
+                  "| host span, profiled, off (us) | on |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for length, row in r["prefill"].items():
             lines.append(f"| {length} | {_f(row['ttft_ms']['off'], '{:.2f}')} | {_f(row['ttft_ms']['on'], '{:.2f}')} | "
-                         f"{_f(row['busy_us']['off'])} | {_f(row['busy_us']['on'])} |")  # fmt: skip
+                         f"{_f(row['execute_model_ms']['off'], '{:.2f}')} | {_f(row['execute_model_ms']['on'], '{:.2f}')} | "
+                         f"{_f(row['busy_us']['off'])} | {_f(row['busy_us']['on'])} | "
+                         f"{_f(row['host_span_us']['off'])} | {_f(row['host_span_us']['on'])} |")  # fmt: skip
         lines += ["", f"- first request (B=1, prefill + 1 token) ms, per engine: on {r['first_request_ms']['on']}, "
                   f"off {r['first_request_ms']['off']}; excess over the next three: on "
                   f"{r['first_request_excess_ms']['on']}, off {r['first_request_excess_ms']['off']}",
                   f"- Triton JIT compilations after warm-up (kernel, phase, ms): on {r['jit_after_warmup']['on']}; "
                   f"off {r['jit_after_warmup']['off']}", ""]  # fmt: skip
+        for length, h in (r.get("prefill_host") or {}).items():
+            if not h["children"]:
+                continue
+            lines += [f"Host span of the profiled {length}-token prefill step (profiler-inflated), off / on: "
+                      f"{_f(h['span_us']['off'])} / {_f(h['span_us']['on'])} us; not inside any event: "
+                      f"{_f(h['uncovered_us']['off'])} / {_f(h['uncovered_us']['on'])} us. Events directly under "
+                      "the step, largest difference first:", "",
+                      "| event | per step off | on | us off | on | on - off |", "|---|---|---|---|---|---|"]  # fmt: skip
+            for name, row in list(h["children"].items())[:12]:
+                lines.append(f"| `{name[:80]}` | {_f(row['off_per_step'], '{:.0f}')} | {_f(row['on_per_step'], '{:.0f}')} | "
+                             f"{_f(row['off_us'])} | {_f(row['on_us'])} | {row['on_us'] - row['off_us']:+.1f} |")  # fmt: skip
+            lines.append("")
         if r.get("kernel_diff"):
             import vllm_trace as T
 
@@ -781,7 +873,9 @@ def print_summary(report) -> None:
                   f"{_f(row['tpot_ms']['off'], '{:.3f}'):>10} {_f(row['tpot_ms']['on'], '{:.3f}'):>9} "
                   f"{_f(row.get('tpot_delta_ms'), '{:+.3f}'):>7} {_f(row.get('tpot_noise_ms'), '{:.3f}'):>6}")  # fmt: skip
         for length, row in r["prefill"].items():
-            print(f"   prefill {length}: TTFT off {_f(row['ttft_ms']['off'], '{:.2f}')} on {_f(row['ttft_ms']['on'], '{:.2f}')} ms")
+            print(f"   prefill {length}: TTFT off {_f(row['ttft_ms']['off'], '{:.2f}')} on {_f(row['ttft_ms']['on'], '{:.2f}')} ms; "
+                  f"execute_model off {_f(row['execute_model_ms']['off'], '{:.2f}')} on "
+                  f"{_f(row['execute_model_ms']['on'], '{:.2f}')} ms")  # fmt: skip
         print(f"   first request ms: on {r['first_request_ms']['on']} off {r['first_request_ms']['off']}")
         print(f"   JIT after warm-up: on {r['jit_after_warmup']['on']} off {r['jit_after_warmup']['off']}")
     if report.get("skipped"):

@@ -403,3 +403,73 @@ def install_jit_hook(worker) -> bool:
 def read_jit_log(worker) -> list:
     """(remote, collective_rpc) The compilations recorded so far (kept)."""
     return list(getattr(worker, "_mla_jit_log", None) or [])
+
+
+def install_host_timer(worker) -> bool:
+    """(remote, collective_rpc) Time the model runner's ``execute_model`` and ``sample_tokens`` on
+    the host from now on, and every garbage collection of the worker's process.
+
+    Host clock only (``perf_counter``, no device sync): with async scheduling these calls
+    return once their work is launched, so their span is the host's share of a step, the
+    profiler's step span without the profiler's overhead. Each call: (name, start, seconds,
+    scheduled tokens); each collection: (generation, start, seconds). ``read_host_timer``
+    returns and clears them.
+    """
+    import gc
+
+    if getattr(worker, "_mla_host_log", None) is not None:
+        return True
+    log_ = worker._mla_host_log = {"calls": [], "gc": []}
+    runner = worker.model_runner
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                tokens = getattr(args[0], "total_num_scheduled_tokens", None) if args else None
+                log_["calls"].append((name, t, time.perf_counter() - t, tokens))
+
+        return call
+
+    for name in ("execute_model", "sample_tokens"):
+        setattr(runner, name, timed(name, getattr(runner, name)))
+    started: list = []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            t = started.pop()
+            log_["gc"].append((info.get("generation"), t, time.perf_counter() - t))
+
+    gc.callbacks.append(on_gc)
+    return True
+
+
+def read_host_timer(worker) -> dict:
+    """(remote, collective_rpc) What ``install_host_timer`` recorded since the last read (then cleared)."""
+    log_ = getattr(worker, "_mla_host_log", None) or {"calls": [], "gc": []}
+    out = {k: list(v) for k, v in log_.items()}
+    for v in log_.values():
+        v.clear()
+    return out
+
+
+def host_summary(log_: dict) -> dict:
+    """Driver side: one request's host record in ms (``read_host_timer``'s output)."""
+    calls = log_.get("calls", [])
+    execs = [c for c in calls if c[0] == "execute_model"]
+    samples = [c for c in calls if c[0] == "sample_tokens"]
+    out = {
+        "execute_model_ms": [round(1e3 * c[2], 3) for c in execs],
+        "execute_model_tokens": [c[3] for c in execs],
+        "sample_tokens_ms": [round(1e3 * c[2], 3) for c in samples],
+        "gc_ms": [round(1e3 * g[2], 3) for g in log_.get("gc", [])],
+        "gc_generations": [g[0] for g in log_.get("gc", [])],
+    }
+    if calls:
+        first, last = min(c[1] for c in calls), max(c[1] + c[2] for c in calls)
+        out["engine_span_ms"] = round(1e3 * (last - first), 3)  # first call's start to last call's end
+    return out

@@ -20,6 +20,12 @@ missed; measurements use steps that have a successor (``Step.closed``).
 CPU ops (torch.library custom ops appear as ``namespace::op`` cpu_op events)
 are attributed to the step whose annotation contains them.
 
+A step's *host span* is its annotation's duration: the time the host spends in
+``execute_model``. ``host_breakdown`` splits it into the host events directly
+under the annotation (on its thread): Inductor's compiled pieces (``## Call
+CompiledFxGraph <key> ##``), the attention-region ops, launches and aten ops
+called between them, and the rest, Python with no event of its own.
+
 No vLLM, torch or GPU needed: the CPU tests feed synthetic traces.
 """
 
@@ -51,6 +57,10 @@ LAUNCH_NAMES = (
 GRAPH_LAUNCH_NAMES = ("cudaGraphLaunch", "cuGraphLaunch")
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+# Host events that can sit directly under a step annotation.
+HOST_CATEGORIES = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function")
+COMPILED_PIECE_RE = re.compile(r"^## Call CompiledFxGraph .* ##$")
+COMPILED_PIECE = "compiled pieces (## Call CompiledFxGraph ##)"
 
 # The project's one kernel (vllm_mla_fusion/backends/triton.py); every fused op launches it.
 FUSED_KERNEL = "_mla_rope_cache_kernel"
@@ -84,7 +94,7 @@ class Step:
     index: int
     name: str
     ts: float
-    dur: float
+    dur: float  # the host span of execute_model
     ctx_reqs: int
     ctx_tokens: int
     gen_reqs: int
@@ -94,6 +104,7 @@ class Step:
     cpu_ops: Counter = field(default_factory=Counter)
     cpu_op_us: Counter = field(default_factory=Counter)  # host time inside each counted op (its event's dur)
     launches: Counter = field(default_factory=Counter)  # launch API name -> count
+    host: dict = field(default_factory=dict)  # host_breakdown's entry, where the caller keeps it
 
     @property
     def kind(self) -> str:
@@ -269,6 +280,50 @@ def parse_steps(trace: dict, cpu_op_names: Iterable[str] | None = None) -> list[
             s.gpu.append(GpuEvent(ev.get("name", ""), ev["cat"], float(ev["ts"]), float(ev.get("dur", 0.0)),
                                   corr in graph_corr))  # fmt: skip
     return steps
+
+
+def host_breakdown(trace: dict, steps: list[Step]) -> list[dict]:
+    """Per step, where its host span goes: the host events directly under its annotation.
+
+    Each entry: ``span`` (us), ``children`` (name -> [count, us]; Inductor's compiled pieces,
+    whatever their cache key, are one name, ``COMPILED_PIECE``) and ``uncovered`` (us of the
+    span inside no child: Python between the ops). Events on other threads (vLLM's output
+    thread, the profiler's) are not children.
+    """
+    events = trace.get("traceEvents", trace if isinstance(trace, list) else [])
+    annotations = {}
+    for ev in events:
+        if ev.get("ph") == "X" and ev.get("cat") == "user_annotation" and STEP_RE.match(ev.get("name", "")):
+            annotations[float(ev["ts"])] = (ev.get("pid"), ev.get("tid"))
+    threads: dict = {}
+    for ev in events:
+        if ev.get("ph") == "X" and ev.get("cat") in HOST_CATEGORIES and not STEP_RE.match(ev.get("name", "")):
+            threads.setdefault((ev.get("pid"), ev.get("tid")), []).append(
+                (float(ev["ts"]), float(ev.get("dur", 0.0)), ev.get("name", "")))
+    for evs in threads.values():
+        evs.sort(key=lambda e: (e[0], -e[1]))  # a parent before the children that start with it
+    out = []
+    for s in steps:
+        evs = threads.get(annotations.get(s.ts), [])
+        end = s.ts + s.dur
+        i = bisect.bisect_left(evs, (s.ts, float("-inf")))
+        children: dict = {}
+        covered, child_end = 0.0, s.ts
+        for ts, dur, name in evs[i:]:
+            if ts > end:
+                break
+            if ts < child_end:  # inside the previous child: a grandchild
+                continue
+            if COMPILED_PIECE_RE.match(name):
+                name = COMPILED_PIECE
+            row = children.setdefault(name, [0, 0.0])
+            d = min(dur, end - ts)
+            row[0] += 1
+            row[1] += d
+            covered += d
+            child_end = ts + dur
+        out.append({"span": s.dur, "children": children, "uncovered": s.dur - covered})
+    return out
 
 
 def unattributed_gpu_events(trace: dict, steps: list[Step]) -> int:

@@ -6,8 +6,10 @@
 #                                   tests inside vLLM (torch 2.14 / Triton 3.8)
 #   scripts/gpu_session.sh host     the same install while the kernel's GPU tests run; then the
 #                                   host cost per call on torch 2.14 / Triton 3.8 (no vLLM tests)
+#   scripts/gpu_session.sh install  only the install while the kernel's GPU tests run (e2e calls follow)
 #   scripts/gpu_session.sh e2e      the end-to-end benchmark, bf16 KV cache (gpu_vllm_check.sh e2e1)
 #   scripts/gpu_session.sh e2e-fp8  the same with the fp8 KV cache (gpu_vllm_check.sh e2e2)
+#   scripts/gpu_session.sh e2e-x    a part of one's own ($E2E_TAG, $E2E_ARGS: gpu_vllm_check.sh e2ex)
 #   scripts/gpu_session.sh kernels  compute-sanitizer memcheck of the new cases; the kernel benchmark's
 #                                   epilogue section and the op 1 / op 2 shapes of issue 10 with vLLM's
 #                                   kernels (K3 included) as peers; the host-cost probe; the launch
@@ -45,8 +47,14 @@ host)
   install_during_kernel_tests 240
   PYTHONPATH=$SITE_DIR timeout 60 scripts/gpu_check.sh hostcost || status=1
   ;;
+install)
+  install_during_kernel_tests 240
+  ;;
 e2e)
   TOTAL_S=$(left) scripts/gpu_vllm_check.sh e2e1 || status=1
+  ;;
+e2e-x)
+  TOTAL_S=$(left) scripts/gpu_vllm_check.sh e2ex || status=1
   ;;
 e2e-fp8)
   TOTAL_S=$(left) scripts/gpu_vllm_check.sh e2e2 || status=1
@@ -60,7 +68,7 @@ kernels)
   timeout $(( $(left) - 25 )) scripts/gpu_check.sh tune || status=1
   ;;
 *)
-  echo "usage: scripts/gpu_session.sh first|host|e2e|e2e-fp8|kernels"; exit 2 ;;
+  echo "usage: scripts/gpu_session.sh first|host|install|e2e|e2e-fp8|e2e-x|kernels"; exit 2 ;;
 esac
 echo "==== gpu_session $1: ${SECONDS}s, status $status"
 # At most 8 files come back from a call: everything goes into one archive (results, logs,

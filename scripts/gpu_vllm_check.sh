@@ -6,6 +6,9 @@
 #     tests     GPU integration tests, tests/vllm_plugin_gpu (-m "gpu and vllm"), budget from the time left
 #     e2e1      end-to-end benchmark part 1: bf16 KV cache, 2 engines per side alternating on/off
 #     e2e2      part 2: fp8 KV cache, 2 per side, then more bf16 pairs while the deadline allows
+#     e2ex      a part of one's own: tag $E2E_TAG (default partx), benchmark options $E2E_ARGS (default a
+#               bf16 pair); variants of the plugin come from the environment (VLLM_MLA_FUSION_* set for
+#               the call), and the compile caches in $E2E_WORK from earlier parts make its engines warm
 #     env       only set up the environment and print versions
 # Logs and results go under $OUT (default ./gpu_out); a short summary is printed last. The whole
 # call keeps inside $TOTAL_S seconds (default 585: one device command may run 600).
@@ -138,7 +141,9 @@ for stage in $stages; do
   tests) stage_tests || status=1 ;;
   e2e1) stage_e2e part1 --kv-cache-dtypes auto --runs 2 || status=1 ;;
   e2e2) stage_e2e part2 --kv-cache-dtypes fp8 --runs "${E2E_RUNS:-2}" --extra-pairs auto || status=1 ;;
-  *) echo "unknown stage $stage (install env tests e2e1 e2e2)"; status=2 ;;
+  # shellcheck disable=SC2086 # E2E_ARGS is a list of options
+  e2ex) stage_e2e "${E2E_TAG:-partx}" ${E2E_ARGS:---kv-cache-dtypes auto --runs 1} || status=1 ;;
+  *) echo "unknown stage $stage (install env tests e2e1 e2e2 e2ex)"; status=2 ;;
   esac
 done
 echo "==== gpu_vllm_check: ${SECONDS}s, stages: $stages"

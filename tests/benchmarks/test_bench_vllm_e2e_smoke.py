@@ -90,6 +90,35 @@ def test_profile_steps_found_and_attributed(report):
             assert prof["prefill"][str(length)]["steps"] == 1
 
 
+def test_host_time_recorded(report):
+    """The engine's host record of every TTFT request (no profiler), and the profiled steps' host
+    span split into the events directly under them."""
+    cfg = report["config"]
+    attention_op = {"on": "mla_fusion_vllm::mla_attention_with_output", "off": "vllm::unified_mla_attention_with_output"}
+    for e in report["engines"]:
+        assert e["host_timer"] is True
+        for length in cfg["prefill_lens"]:
+            p = e["prefill"][str(length)]
+            assert len(p["host"]) == len(p["ttft_s"]) == cfg["repeats"]
+            for h, ttft_s in zip(p["host"], p["ttft_s"]):
+                # The prompt runs in one step (max_num_batched_tokens >= the prompt) inside the request.
+                assert h["execute_model_tokens"] == [length], h
+                assert 0 < h["execute_model_ms"][0] < 1e3 * ttft_s and len(h["sample_tokens_ms"]) == 1
+            assert 0 < p["execute_model_ms_median"] < p["ttft_ms_median"]
+        assert all(h["execute_model_tokens"][0] == cfg["prompt_len"] for h in e["first_request"]["host"])
+        for length in (cfg["prompt_len"], *cfg["prefill_lens"]):
+            row = e["profile"]["prefill"][str(length)]
+            assert row["steps"] >= 1 and row["host_span_us_median"] > 0
+            children = row["host_children"]
+            # Every MLA layer's attention op sits directly under the step (eager on the CPU).
+            assert children[attention_op[e["side"]]]["per_step"] == len(e["facts"]["layers"]), children
+            covered = sum(c["us_per_step"] for c in children.values()) + row["host_children_other_us"]
+            assert row["host_uncovered_us_median"] >= 0 and covered <= row["host_span_us_median"] * 1.001
+    h = report["summary"]["auto"]["prefill_host"][str(cfg["prefill_lens"][0])]
+    assert h["span_us"]["on"] > 0 and h["span_us"]["off"] > 0 and attention_op["on"] in h["children"]
+    assert "Host span of the profiled" in report["_md"] and "execute_model host" in report["_md"]
+
+
 def test_prediction_and_summary(report):
     pred = report["prediction"]
     assert "error" not in pred, pred

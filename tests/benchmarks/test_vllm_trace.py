@@ -149,3 +149,34 @@ def test_no_annotations_no_steps(T):
     tr = Trace()
     tr.launch(5, [("k", 1.0)])
     assert T.parse_steps(tr.dict()) == []
+
+
+def test_host_breakdown(T):
+    tr = Trace()
+    tr.step(100, 100, ctx=(1, 1024))
+    ev = tr.events.append
+
+    def host(ts, dur, name, cat="user_annotation", tid=7):
+        ev({"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid})
+
+    host(100, 20, "## Call CompiledFxGraph fabc ##")
+    host(101, 5, "aten::mm", cat="cpu_op")  # inside the piece: not a child of the step
+    host(125, 30, "mla_fusion_vllm::mla_attention_with_output", cat="cpu_op")
+    host(125, 10, "mla_fusion::mla_prefill_rope_cache_write")  # starts with its parent
+    tr.launch(130, [("flash_fwd", 9.0)])  # the launch inside the op
+    host(160, 15, "## Call CompiledFxGraph fdef ##")  # another piece: same name
+    tr.launch(180, [("sampler", 1.0)])  # a launch between ops: a child (dur 2)
+    host(120, 70, "output thread work", cat="cpu_op", tid=9)  # other thread
+    host(195, 10, "aten::copy_", cat="cpu_op")  # runs past the span's end: counts up to it
+    tr.step(300, 10, gen=(1, 1))
+    steps = T.parse_steps(tr.dict())
+    b = T.host_breakdown(tr.dict(), steps)
+    assert b[0]["span"] == 100
+    assert b[0]["children"] == {
+        T.COMPILED_PIECE: [2, 35.0],
+        "mla_fusion_vllm::mla_attention_with_output": [1, 30.0],
+        "cudaLaunchKernel": [1, 2.0],
+        "aten::copy_": [1, 5.0],
+    }
+    assert b[0]["uncovered"] == pytest.approx(100 - 72)
+    assert b[1] == {"span": 10, "children": {}, "uncovered": 10}
