@@ -264,6 +264,7 @@ class Bench:
             "decode_tokens": a.decode_tokens,
             "prompt_len": a.prompt_len,
             "repeats": a.repeats,
+            "host_regions": a.host_regions,
             "profile_decode_steps": a.profile_decode_steps,
             "deadline_s": a.deadline_s,
             "attention_backend": a.attention_backend or "vLLM's choice",
@@ -420,6 +421,8 @@ class Bench:
                 raise RuntimeError(f"plugin {side}: the engine built MLA layers in modes {modes}, expected {want}")
             rec["jit_hook"] = llm.collective_rpc(E.install_jit_hook)[0]
             rec["host_timer"] = llm.collective_rpc(E.install_host_timer)[0]
+            if a.host_regions:
+                rec["host_regions"] = llm.collective_rpc(E.install_region_timer)[0]
             marks = {}
 
             def mark(name):
@@ -500,7 +503,7 @@ class Bench:
             p["host"].append(host)
             log(f"  pass {r} prefill L={length:5d}: TTFT {1e3 * t:.2f} ms; host: execute_model "
                 f"{host.get('execute_model_ms')} ms, sample_tokens {host.get('sample_tokens_ms')} ms, "
-                f"gc {host.get('gc_ms')} ms")  # fmt: skip
+                f"gc {host.get('gc_ms')} ms" + (f"; regions (calls, ms) {host['regions_ms']}" if "regions_ms" in host else ""))  # fmt: skip
         self.finish_timing(rec)
 
     def finish_timing(self, rec: dict) -> None:
@@ -946,6 +949,9 @@ def parse_args(argv=None):
                     help="in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) instead of vLLM's default engine-core "
                     "process; for the CI smoke test, where spawning vLLM's CPU engine processes takes minutes")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--host-regions", action="store_true",
+                    help="also time host regions (compiled pieces, attention, cache write, the fused ops) per TTFT "
+                    "request: a diagnosis run; costs both sides ~1 us per region call")  # fmt: skip
     args = ap.parse_args(argv)
     if args.smoke:
         args.decode_batches = [1, 2]

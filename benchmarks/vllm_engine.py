@@ -451,7 +451,7 @@ def install_host_timer(worker) -> bool:
 def read_host_timer(worker) -> dict:
     """(remote, collective_rpc) What ``install_host_timer`` recorded since the last read (then cleared)."""
     log_ = getattr(worker, "_mla_host_log", None) or {"calls": [], "gc": []}
-    out = {k: list(v) for k, v in log_.items()}
+    out = {k: (dict(v) if isinstance(v, dict) else list(v)) for k, v in log_.items()}
     for v in log_.values():
         v.clear()
     return out
@@ -469,7 +469,73 @@ def host_summary(log_: dict) -> dict:
         "gc_ms": [round(1e3 * g[2], 3) for g in log_.get("gc", [])],
         "gc_generations": [g[0] for g in log_.get("gc", [])],
     }
+    if log_.get("regions"):
+        out["regions_ms"] = {k: [n, round(1e3 * s, 3)] for k, (n, s) in sorted(log_["regions"].items())}
     if calls:
         first, last = min(c[1] for c in calls), max(c[1] + c[2] for c in calls)
         out["engine_span_ms"] = round(1e3 * (last - first), 3)  # first call's start to last call's end
     return out
+
+
+# Host regions of a step that install_region_timer times (where the plugin and vLLM differ):
+# (module, class or None, attribute, region name).
+HOST_REGIONS = (
+    ("vllm.compilation.piecewise_backend", "PiecewiseBackend", "__call__", "compiled piece"),
+    ("vllm.model_executor.layers.attention.mla_attention", "MLAAttention", "forward_impl", "MLAAttention.forward_impl"),
+    ("vllm.model_executor.layers.attention.mla_attention", "MLAAttention", "update_kv_cache", "vLLM cache write"),
+    ("vllm.model_executor.layers.attention.mla_attention", "MLACommonBaseImpl", "forward_mha", "forward_mha"),
+    ("vllm.model_executor.layers.attention.mla_attention", "MLACommonBaseImpl", "_concat_k_nope_k_pe",
+     "vLLM key concat"),
+    ("vllm_mla_fusion.vllm_plugin.attention", "FusedMLAAttention", "forward_fused", "plugin forward_fused"),
+    ("vllm_mla_fusion.ops", "eager", "mla_prefill_rope_cache_write", "op 3 (eager)"),
+    ("vllm_mla_fusion.ops", "eager", "mla_rope_cache_write", "op 1 (eager)"),
+    ("vllm_mla_fusion.ops", "eager", "mla_decode_rope_cache_write", "op 2 (eager)"),
+)
+
+
+_REGION_TOTALS: dict = {}
+
+
+def install_region_timer(worker) -> list:
+    """(remote, collective_rpc) Time, on the host, every call of the ``HOST_REGIONS`` (inclusive:
+    a region inside another counts in both). Costs ~1 us per call on both sides; for diagnosis
+    runs only (``--host-regions``). ``read_host_timer`` returns the totals since its last read.
+    Returns the regions it wrapped."""
+    import functools
+    import importlib
+
+    if getattr(worker, "_mla_host_log", None) is None:
+        install_host_timer(worker)
+    # Module-level totals: the wrappers are installed on classes, once per process, and an
+    # in-process engine after another (--inproc) reuses them.
+    worker._mla_host_log["regions"] = totals = _REGION_TOTALS
+    wrapped = []
+    for module, owner, attr, region in HOST_REGIONS:
+        try:
+            obj = getattr(importlib.import_module(module), owner)
+        except (ImportError, AttributeError):
+            continue
+        fn = obj.__dict__.get(attr) if isinstance(obj, type) else getattr(obj, attr, None)
+        if fn is None:
+            continue
+        if getattr(fn, "_mla_region", None):
+            wrapped.append(region)
+            continue
+
+        def make(fn, region):
+            @functools.wraps(fn)
+            def timed(*args, **kwargs):
+                t = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    row = totals.setdefault(region, [0, 0.0])
+                    row[0] += 1
+                    row[1] += time.perf_counter() - t
+
+            timed._mla_region = True
+            return timed
+
+        setattr(obj, attr, make(fn, region))
+        wrapped.append(region)
+    return wrapped

@@ -37,7 +37,7 @@ def report(tmp_path_factory):
     for name in ("VLLM_MLA_FUSION", "VLLM_MLA_FUSION_DECODE", "VLLM_PLUGINS", "VLLM_MLA_FUSION_BACKEND"):
         env.pop(name, None)
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--inproc", "--no-plot", "--out", str(out), "--tag", "smoke"],
+        [sys.executable, str(SCRIPT), "--smoke", "--inproc", "--no-plot", "--host-regions", "--out", str(out), "--tag", "smoke"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, f"smoke run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
@@ -104,6 +104,12 @@ def test_host_time_recorded(report):
                 # The prompt runs in one step (max_num_batched_tokens >= the prompt) inside the request.
                 assert h["execute_model_tokens"] == [length], h
                 assert 0 < h["execute_model_ms"][0] < 1e3 * ttft_s and len(h["sample_tokens_ms"]) == 1
+                # --host-regions: each layer's attention region once, timed inside the step.
+                n_layers = len(e["facts"]["layers"])
+                region = "plugin forward_fused" if e["side"] == "on" else "vLLM cache write"
+                calls, ms = h["regions_ms"][region]
+                assert calls == n_layers and 0 < ms < h["execute_model_ms"][0], h["regions_ms"]
+                assert ("op 3 (eager)" in h["regions_ms"]) == (e["side"] == "on")
             assert 0 < p["execute_model_ms_median"] < p["ttft_ms_median"]
         assert all(h["execute_model_tokens"][0] == cfg["prompt_len"] for h in e["first_request"]["host"])
         for length in (cfg["prompt_len"], *cfg["prefill_lens"]):
