@@ -392,6 +392,9 @@ def install_jit_hook(worker) -> bool:
             "compile_ms": 1e3 * (now - started.pop(str(kwargs.get("key")), now)),
             "t": now,
             "signature": str(kwargs.get("repr", ""))[:400],
+            # Triton's specialization key in full: diffed against the variants compiled ahead
+            # (kernel_cache_keys) it names what the warm-up did not cover.
+            "key": str(kwargs.get("key", "")),
         })  # fmt: skip
         return prev_post(**kwargs) if prev_post is not None else None
 
@@ -539,3 +542,16 @@ def install_region_timer(worker) -> list:
         setattr(obj, attr, make(fn, region))
         wrapped.append(region)
     return wrapped
+
+
+def kernel_cache_keys(worker) -> list:
+    """(remote, collective_rpc) Triton's specialization keys of the project's kernel compiled in
+    this process so far (``JITFunction.device_caches``; empty where Triton keeps them otherwise)."""
+    try:
+        from vllm_mla_fusion.backends import triton as tb
+    except ImportError:
+        return []
+    out = []
+    for caches in getattr(tb._mla_rope_cache_kernel, "device_caches", {}).values():
+        out += [str(k) for k in caches[0]]
+    return out
