@@ -224,6 +224,32 @@ def test_direct_launch_reuses_binaries_only_when_safe(op):
     assert triton_backend._launcher.kernels, "no call took the direct launcher"
 
 
+@pytest.mark.parametrize("op", ["rope_cache", "prefill"])
+def test_index_tensors_off_alignment_compile_no_new_variant(op):
+    """A mixed step's prefill rows start at row num_decode of vLLM's positions and slot
+    mapping: 8 bytes off a 16-byte boundary when num_decode is odd. They must run the variant
+    compiled for aligned index tensors (the one vLLM's profile run compiled ahead,
+    vllm_plugin/prewarm.py), not compile another inside a request."""
+    kind = dict(prefill=op == "prefill", nope_dim=128)
+    run, check = {
+        "rope_cache": (lambda c: mla.mla_rope_cache_write(*c.rope_args(), backend="triton"), check_rope_cache_write),
+        "prefill": (lambda c: mla.mla_prefill_rope_cache_write(*c.prefill_args(), backend="triton"),
+                    check_prefill_rope_cache_write),
+    }[op]  # fmt: skip
+    caches = triton_backend._mla_rope_cache_kernel.device_caches
+    run(make_case(T=64, H=16, block_size=16, device="cuda", seed=71, **kind, **DSV3))
+    torch.cuda.synchronize()
+    compiled = sum(len(c[0]) for c in caches.values())
+    case = make_case(T=64, H=16, block_size=16, device="cuda", seed=72, **kind, **DSV3)
+    for name in ("positions", "slot_mapping"):
+        setattr(case, name, _misaligned_copy(getattr(case, name)))
+    case.snapshot()
+    run(case)
+    torch.cuda.synchronize()
+    check(case)
+    assert sum(len(c[0]) for c in caches.values()) == compiled, "off-alignment index tensors compiled a new variant"
+
+
 def test_addressing_past_2_to_the_31_elements():
     """A bf16 cache of more than 2**31 elements, written near its end: indices must be 64-bit."""
     L, R, bs = 512, 64, 64

@@ -249,3 +249,52 @@ def test_launch_hands_every_parameter_over(op, monkeypatch):
     assert all(isinstance(x, int) for x in captured["r"][11:])
     assert sorted(captured["c"]) == sorted(name for name, c in params if c)
     assert captured["r"][11] == T  # num_tokens
+
+
+# --- Triton's own specialization of the kernel's arguments ---------------------------------
+
+
+def _triton_specialization(monkeypatch, positions, slots, misaligned_nope: bool = False):
+    """What Triton's binder (for an sm_90 target; no GPU needed) specializes an op 3 launch on,
+    for CPU tensors laid out as vLLM's prefill rows of a mixed step."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    T, H, L, R, P = positions.shape[0], 16, 512, 64, 128
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(T, H, P + R, generator=g, dtype=torch.bfloat16)
+    kv = torch.randn(T, L + R, dtype=torch.bfloat16, generator=g)
+    k_nope = torch.randn(T * H * P + 1, dtype=torch.bfloat16, generator=g)[int(misaligned_nope):][: T * H * P]
+    k_nope = k_nope.view(T, H, P)
+    k_out = torch.empty(T, H, P + R, dtype=torch.bfloat16)
+    cos_sin = torch.randn(4096, R, generator=g)
+    cache = torch.empty(8, 16, L + R, dtype=torch.bfloat16)
+    calls = []
+    monkeypatch.setattr(tb, "_launcher", lambda grid, runtime, constexprs, *rest: calls.append((runtime, constexprs)))
+    p = Problem(T, H, L, R, torch.bfloat16, nope_dim=P, k_out_dtype=torch.bfloat16)
+    tb.prefill_rope_cache_write(p, positions, q[..., P:], kv[:, L:].unsqueeze(1), kv[:, :L], k_nope, cos_sin, True,
+                                slots, cache, k_out, None)  # fmt: skip
+    (runtime, constexprs), = calls
+    fn = tb._mla_rope_cache_kernel
+    if not isinstance(fn, JITFunction):  # TRITON_INTERPRET=1: the same decorator arguments, compiled form
+        fn = JITFunction(fn.fn, **fn.kwargs)
+    binder = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
+    return binder(*runtime, **constexprs)[1]
+
+
+def test_index_tensors_at_any_offset_share_one_compiled_variant(monkeypatch):
+    """The prefill rows of a mixed step start at row num_decode of vLLM's positions and slot
+    mapping: with an odd number of decode tokens their int64 pointers are 8 bytes off a
+    16-byte boundary. The kernel's variants are compiled ahead in vLLM's profile run with
+    aligned index tensors, so Triton must not specialize on the index pointers' alignment
+    (it did: a 0.4-0.9 s compile inside the first such step on the H200, fp8 run of
+    2026-12-01), while it still does on the data pointers, whose vector loads it speeds up."""
+    T = 64
+    positions, slots = torch.arange(T + 1) + 5, torch.arange(T + 1) * 3
+    aligned = _triton_specialization(monkeypatch, positions[:T], slots[:T])
+    assert positions[1:].data_ptr() % 16 == 8
+    assert _triton_specialization(monkeypatch, positions[1:], slots[1:]) == aligned
+    assert _triton_specialization(monkeypatch, positions[1:].int(), slots[1:].int()) != aligned  # int32: a dtype
+    # A data pointer's alignment still selects a variant (the check above can see alignment).
+    assert _triton_specialization(monkeypatch, positions[:T], slots[:T], misaligned_nope=True) != aligned

@@ -179,8 +179,12 @@ OP_PREFILL = tl.constexpr(3)  # op 3: op 1 + the attention key k_out = [k_nope |
 
 # The token count changes every step: specializing on it (==1, %16) would only add compilations;
 # num_slots too: a bound checked once per token, and scratch caches used to compile ahead must
-# not select another specialization than the real cache.
-@triton.jit(do_not_specialize=["num_tokens", "n_cache_programs", "num_slots"])
+# not select another specialization than the real cache. The index tensors' alignment neither:
+# a mixed step's prefill rows start at row num_decode of vLLM's positions and slot mapping, 8
+# bytes off a 16-byte boundary when that is odd, and the variants compiled ahead (prewarm.py)
+# must serve them; the kernel reads one index per token or row, so no vector load is lost.
+@triton.jit(do_not_specialize=["num_tokens", "n_cache_programs", "num_slots"],
+            do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])  # fmt: skip
 def _mla_rope_cache_kernel(
     # pointers
     pos_ptr,  # [>=T] int32/int64
