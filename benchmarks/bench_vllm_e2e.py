@@ -712,9 +712,10 @@ def summarize(report, args) -> dict:
             rows_ = {side: [e["profile"]["prefill"].get(str(length), {}) for e in eng if "prefill" in e.get("profile", {})]
                      for side, eng in (("on", on), ("off", off))}  # fmt: skip
             host[str(length)] = host_comparison(rows_["on"], rows_["off"])
+        equal_speed = {str(L): h for L in args.prefill_lens if (h := host_at_equal_speed(on, off, str(L)))}
         out[kv] = {"decode": rows, "prefill": prefill, "first_request_ms": first, "first_request_excess_ms": excess,
                    "jit_after_warmup": jit, "backend": _backend(on + off), "kernel_diff": diffs,
-                   "prefill_host": host}  # fmt: skip
+                   "prefill_host": host, "prefill_host_equal_speed": equal_speed}  # fmt: skip
     return out
 
 
@@ -742,6 +743,55 @@ def host_comparison(on: list, off: list) -> dict:
     ranked = dict(sorted(rows.items(), key=lambda kv: -abs(kv[1]["on_us"] - kv[1]["off_us"])))
     return {"span_us": {"on": a["span"], "off": b["span"]}, "uncovered_us": {"on": a["uncovered"], "off": b["uncovered"]},
             "children": ranked}  # fmt: skip
+
+
+def _host_split(side: str, h: dict) -> dict | None:
+    """One TTFT request's execute_model host time (ms) split by the --host-regions timers:
+    ``common``, vLLM's own forward_mha code (the same on both sides: forward_mha without the
+    plugin's op 3, or without vLLM's key concat); ``attention``, the rest of the attention region
+    (on: the plugin's forward_fused around it; off: forward_impl around it plus vLLM's cache
+    write); ``pieces``, the compiled pieces; ``rest``, all else (the split graph, op wrappers,
+    input preparation)."""
+    g, ex = h.get("regions_ms"), h.get("execute_model_ms")
+    if not g or not ex or "forward_mha" not in g:
+        return None
+
+    def ms(name):
+        return g.get(name, (0, 0.0))[1]
+
+    if side == "on":
+        common = ms("forward_mha") - ms("op 3 (eager)")
+        attention = ms("plugin forward_fused") - common
+    else:
+        common = ms("forward_mha") - ms("vLLM key concat")
+        attention = ms("MLAAttention.forward_impl") - common + ms("vLLM cache write")
+    pieces = ms("compiled piece")
+    return {"execute": ex[0], "common": common, "attention": attention, "pieces": pieces,
+            "rest": ex[0] - common - attention - pieces}  # fmt: skip
+
+
+def host_at_equal_speed(on: list, off: list, length: str) -> dict:
+    """The TTFT requests' host time per prefill step, on and off, at equal host speed.
+
+    The lent machines' host runs the same Python at speeds up to ~2.6x apart from one request
+    to the next (docs/performance.md). ``common`` (vLLM's own forward_mha code, identical on
+    both sides) measures each request's speed: factor = common / the off side's median common;
+    every part of the request divided by its factor is its time at the off side's median speed.
+    Per side: the factors' range and the medians of the normalized parts (ms)."""
+    splits = {side: [x for e in eng for h in e.get("prefill", {}).get(length, {}).get("host", [])
+                     if (x := _host_split(side, h))] for side, eng in (("on", on), ("off", off))}  # fmt: skip
+    base = med([x["common"] for x in splits["off"]]) if splits["off"] else None
+    if not base or base <= 0:
+        return {}
+    out = {}
+    for side, xs in splits.items():
+        if not xs:
+            continue
+        factors = [x["common"] / base for x in xs]
+        out[side] = {"requests": len(xs), "speed_factor_range": spread(factors),
+                     **{f"{k}_ms": med([x[k] / f for x, f in zip(xs, factors)])
+                        for k in ("execute", "attention", "pieces", "rest", "common")}}  # fmt: skip
+    return out
 
 
 def _backend(engines):
@@ -804,6 +854,19 @@ def write_markdown(report, path: Path) -> None:
                   f"{r['first_request_excess_ms']['on']}, off {r['first_request_excess_ms']['off']}",
                   f"- Triton JIT compilations after warm-up (kernel, phase, ms): on {r['jit_after_warmup']['on']}; "
                   f"off {r['jit_after_warmup']['off']}", ""]  # fmt: skip
+        if r.get("prefill_host_equal_speed"):
+            lines += ["execute_model host time per TTFT request at equal host speed (--host-regions; each request "
+                      "scaled by its speed factor, measured on vLLM's own forward_mha code), medians in ms:", "",
+                      "| prefill L | side | requests | speed factor range | execute_model | attention region | "
+                      "compiled pieces | rest |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+            for length, h in r["prefill_host_equal_speed"].items():
+                for side in ("off", "on"):
+                    if side in h:
+                        x = h[side]
+                        lo, hi = x["speed_factor_range"]
+                        lines.append(f"| {length} | {side} | {x['requests']} | {lo:.2f}-{hi:.2f} | {x['execute_ms']:.1f} | "
+                                     f"{x['attention_ms']:.1f} | {x['pieces_ms']:.1f} | {x['rest_ms']:.1f} |")  # fmt: skip
+            lines.append("")
         for length, h in (r.get("prefill_host") or {}).items():
             if not h["children"]:
                 continue

@@ -123,6 +123,15 @@ def test_host_time_recorded(report):
     h = report["summary"]["auto"]["prefill_host"][str(cfg["prefill_lens"][0])]
     assert h["span_us"]["on"] > 0 and h["span_us"]["off"] > 0 and attention_op["on"] in h["children"]
     assert "Host span of the profiled" in report["_md"] and "execute_model host" in report["_md"]
+    # Equal host speed: the off side's median request defines speed 1; the parts add up.
+    eq = report["summary"]["auto"]["prefill_host_equal_speed"][str(cfg["prefill_lens"][0])]
+    for side in ("on", "off"):
+        x = eq[side]
+        assert x["requests"] == cfg["repeats"] and x["execute_ms"] > 0 and x["common_ms"] > 0
+        lo, hi = x["speed_factor_range"]
+        assert 0 < lo <= hi
+    assert min(eq["off"]["speed_factor_range"]) <= 1 <= max(eq["off"]["speed_factor_range"])
+    assert "at equal host speed" in report["_md"]
 
 
 def test_prediction_and_summary(report):
