@@ -298,3 +298,26 @@ def test_index_tensors_at_any_offset_share_one_compiled_variant(monkeypatch):
     assert _triton_specialization(monkeypatch, positions[1:].int(), slots[1:].int()) != aligned  # int32: a dtype
     # A data pointer's alignment still selects a variant (the check above can see alignment).
     assert _triton_specialization(monkeypatch, positions[:T], slots[:T], misaligned_nope=True) != aligned
+
+
+def test_plans_hand_constexprs_over_in_the_kernels_order():
+    """A launch plan's ``values`` are its constexprs in the order the compiled kernel's launcher
+    takes them (Triton's parameter list), and plans are shared only between equal calls."""
+    from triton.runtime.jit import JITFunction
+
+    fn = tb._mla_rope_cache_kernel
+    jit = fn if isinstance(fn, JITFunction) else JITFunction(fn.fn, **fn.kwargs)
+    assert tb._CONSTEXPR_NAMES == tuple(prm.name for prm in jit.params if prm.is_constexpr)
+    cpu = torch.device("cpu")
+    p = _problem(64, 3)
+    plan = tb._plan(p, 3, 128, True, True, False, torch.bfloat16, False, cpu)
+    assert plan.values == tuple(plan.constexprs[n] for n in tb._CONSTEXPR_NAMES)
+    assert tb._plan(p, 3, 128, True, True, False, torch.bfloat16, False, cpu) is plan
+    other = tb._plan(p, 3, 128, False, True, False, torch.bfloat16, False, cpu)
+    assert other.constexprs["IS_NEOX"] is False and plan.constexprs["IS_NEOX"] is True
+    fp8_out = tb._plan(p, 3, 128, True, True, False, torch.float8_e4m3fn, False, cpu)
+    assert fp8_out.out_view == "bytes" and fp8_out.constexprs["OUT_MODE"] != plan.constexprs["OUT_MODE"]
+    forced = dict(tb._launch_config(p, 3, cpu), BLOCK_ROWS=1)
+    with tb.forced_launch_config(forced):
+        assert tb._plan(p, 3, 128, True, True, False, torch.bfloat16, False, cpu).constexprs["BLOCK_ROWS"] == 1
+    assert tb._plan(p, 3, 128, True, True, False, torch.bfloat16, False, cpu) is plan

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import os
 
 import torch
@@ -425,17 +426,25 @@ def _native_fp8_ok(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype != torch.float8_e4m3fnuz and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _store_meta(out: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
-    """The tensor the kernel stores into and the constexprs describing its rounding."""
+def _store_mode(dtype: torch.dtype, has_scale: bool, device: torch.device) -> tuple[str, dict]:
+    """How the kernel stores an output of element format ``dtype``: the view it stores through
+    ("as is", "typed": the fp8 dtype itself, "bytes": uint8 bits it encodes) and the
+    constexprs describing the rounding."""
     if not fp8.is_fp8(dtype):
-        return out, dict(MODE=_PLAIN, HAS_SCALE=False, FP8_MAX=0.0, BIAS=0, MAN=0, SIGNED_ZERO=True, NAN=0)
+        return "as is", dict(MODE=_PLAIN, HAS_SCALE=False, FP8_MAX=0.0, BIAS=0, MAN=0, SIGNED_ZERO=True, NAN=0)
     bias, man, signed_zero = _FP8_FORMATS[dtype]
-    meta = dict(HAS_SCALE=scale is not None, FP8_MAX=float(torch.finfo(dtype).max), BIAS=bias, MAN=man,
+    meta = dict(HAS_SCALE=has_scale, FP8_MAX=float(torch.finfo(dtype).max), BIAS=bias, MAN=man,
                 SIGNED_ZERO=signed_zero, NAN=_NAN_BITS[dtype])  # fmt: skip
-    if _native_fp8_ok(out.device, dtype):
-        mode = _FP8_CLAMPED if torch.version.hip is not None else _FP8_SATURATING
-        return fp8.typed_view(out, dtype), dict(MODE=mode, **meta)
-    return out.view(torch.uint8), dict(MODE=_FP8_BITS, **meta)
+    if _native_fp8_ok(device, dtype):
+        return "typed", dict(MODE=_FP8_CLAMPED if torch.version.hip is not None else _FP8_SATURATING, **meta)
+    return "bytes", dict(MODE=_FP8_BITS, **meta)
+
+
+def _store_view(out: torch.Tensor, dtype: torch.dtype, view: str) -> torch.Tensor:
+    """The tensor the kernel stores into, for ``_store_mode``'s ``view``."""
+    if view == "typed":
+        return fp8.typed_view(out, dtype)
+    return out.view(torch.uint8) if view == "bytes" else out
 
 
 @functools.lru_cache(maxsize=None)
@@ -510,10 +519,12 @@ class _DirectLauncher:
         return ptrs, ints, tuple(constexprs), options, device_index
 
     def __call__(self, grid: int, runtime: tuple, constexprs: dict, num_warps: int, pdl: bool,
-                 device_index: int | None) -> None:  # fmt: skip
+                 device_index: int | None, values: tuple | None = None) -> None:  # fmt: skip
+        """``values``: ``constexprs`` in signature order, when the caller has them already."""
         key = None
         if self.usable and device_index is not None and _hooks_unset():
-            values = [constexprs[name] for name in self.constexpr_names]
+            if values is None:
+                values = tuple(constexprs[name] for name in self.constexpr_names)
             key = self._key(runtime, values, (num_warps, pdl), device_index)
             kernel = self.kernels.get(key)
             if kernel is not None:
@@ -530,6 +541,10 @@ class _DirectLauncher:
 
 # The kernel's first 11 parameters are pointers (see _launch).
 _launcher = _DirectLauncher(_mla_rope_cache_kernel, num_pointers=11)
+# Its constexprs in signature order (the order the direct launcher hands them over in), read
+# from the Python source so that Triton's interpreter, which keeps no parameter list, agrees.
+_CONSTEXPR_NAMES = tuple(name for name, prm in inspect.signature(_mla_rope_cache_kernel.fn).parameters.items()
+                         if "constexpr" in str(prm.annotation))  # fmt: skip
 
 
 def _hooks_unset() -> bool:
@@ -615,41 +630,43 @@ def _launch_config_for(p: Problem, op: int, sms: int, pdl: bool) -> dict:
                 num_warps=4, USE_PDL=pdl)  # fmt: skip
 
 
-def _launch(p: Problem, op: int, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache,
-            kv_cache_scale, nope=None, out=None, out_dtype=None, out_scale=None, is_nope_first=True) -> None:  # fmt: skip
-    """One launch of the kernel for op ``op``: ``nope``/``out`` are (ql_nope, q_out) for op 2,
-    (k_nope, k_out) for op 3, unused for op 1."""
-    T, H, L, R = p.num_tokens, p.num_heads, p.kv_lora_rank, p.rope_dim
-    k_pe2 = k_pe.select(1, 0) if k_pe.dim() == 3 else k_pe  # [T, 1, R] -> [T, R], a view
-    kv_c2 = kv_c.select(1, 0) if kv_c.dim() == 3 else kv_c
-    # The kernel reads the index tensors at unit stride (vLLM's are contiguous); another
-    # stride costs a copy of the T entries used, never a wrong read.
-    positions, slot_mapping = (x if x.stride(0) == 1 else x[:T].contiguous() for x in (positions, slot_mapping))
-    cache, cmeta = _store_meta(kv_cache, p.cache_dtype, kv_cache_scale)
-    if out is not None:
-        out, ometa = _store_meta(out, out_dtype, out_scale)
-        n_strides, o_strides, nope_width = nope.stride(), out.stride(), nope.shape[-1]
-    else:
-        # Op 1 has no nope input or output; any tensors of the right kind fill the slots.
-        out, nope, ometa = q_pe, q_pe, _store_meta(q_pe, q_pe.dtype, None)[1]
-        n_strides = o_strides = (0, 0, 0)
-        nope_width = 1
-    cfg = _launch_config(p, op, q_pe.device)
-    n_cache = _cdiv(T, cfg["BLOCK_T"])
-    n_query = _cdiv(T * H, cfg["BLOCK_ROWS"])
-    # Scale pointers must be valid tensors even when unused; any float32 tensor does.
-    dummy = cos_sin_cache
-    runtime = (
-        positions, slot_mapping, cos_sin_cache, q_pe, k_pe2, kv_c2, cache,
-        kv_cache_scale if kv_cache_scale is not None else dummy,
-        nope, out, out_scale if out_scale is not None else dummy,
-        T, cos_sin_cache.shape[0], kv_cache.shape[1], kv_cache.shape[0] * kv_cache.shape[1], n_cache,
-        cos_sin_cache.stride(0), cos_sin_cache.stride(1),
-        *q_pe.stride(), *k_pe2.stride(), *kv_c2.stride(), *kv_cache.stride(),
-        *n_strides, *o_strides,
-    )  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything of a launch that follows from the call's sizes, dtypes and flags alone."""
+
+    grid: int
+    n_cache: int
+    num_warps: int
+    pdl: bool
+    cache_view: str  # _store_mode's view of kv_cache and of the output
+    out_view: str
+    constexprs: dict  # by name, for Triton's own launch path
+    values: tuple  # the same in the kernel's signature order, for the direct launcher
+
+
+def _plan(p: Problem, op: int, nope_width: int, is_neox: bool, is_nope_first: bool, has_cache_scale: bool,
+          out_dtype: torch.dtype | None, has_out_scale: bool, device: torch.device) -> _Plan:  # fmt: skip
+    """The launch plan; cached per distinct call, except while a launch configuration is forced."""
+    if LAUNCH_CONFIG_OVERRIDE is not None:
+        cfg = dict(LAUNCH_CONFIG_OVERRIDE)
+        return _make_plan.__wrapped__(p, op, nope_width, is_neox, is_nope_first, has_cache_scale, out_dtype,
+                                      has_out_scale, device, tuple(sorted(cfg.items())))  # fmt: skip
+    return _make_plan(p, op, nope_width, is_neox, is_nope_first, has_cache_scale, out_dtype, has_out_scale, device,
+                      None)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def _make_plan(p: Problem, op: int, nope_width: int, is_neox: bool, is_nope_first: bool, has_cache_scale: bool,
+               out_dtype: torch.dtype | None, has_out_scale: bool, device: torch.device,
+               forced: tuple | None) -> _Plan:  # fmt: skip
+    T, H = p.num_tokens, p.num_heads
+    cfg = dict(forced) if forced is not None else _launch_config(p, op, device)
+    cache_view, cmeta = _store_mode(p.cache_dtype, has_cache_scale, device)
+    # Op 1 has no output of its own: its output slots take q_pe, stored as is.
+    out_view, ometa = _store_mode(out_dtype, has_out_scale, device) if out_dtype is not None else (
+        "as is", _store_mode(torch.float32, False, device)[1])  # fmt: skip
     constexprs = dict(
-        H=H, L=L, R=R, NOPE=nope_width, IS_NEOX=is_neox, OP=op, NOPE_FIRST=is_nope_first,
+        H=H, L=p.kv_lora_rank, R=p.rope_dim, NOPE=nope_width, IS_NEOX=is_neox, OP=op, NOPE_FIRST=is_nope_first,
         CACHE_MODE=cmeta["MODE"], CACHE_HAS_SCALE=cmeta["HAS_SCALE"], CACHE_FP8_MAX=cmeta["FP8_MAX"],
         CACHE_BIAS=cmeta["BIAS"], CACHE_MAN=cmeta["MAN"], CACHE_SIGNED_ZERO=cmeta["SIGNED_ZERO"],
         CACHE_NAN=cmeta["NAN"],
@@ -657,15 +674,55 @@ def _launch(p: Problem, op: int, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_
         OUT_BIAS=ometa["BIAS"], OUT_MAN=ometa["MAN"], OUT_SIGNED_ZERO=ometa["SIGNED_ZERO"],
         OUT_NAN=ometa["NAN"],
         BLOCK_T=cfg["BLOCK_T"], BLOCK_ROWS=cfg["BLOCK_ROWS"], BLOCK_L=cfg["BLOCK_L"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_H=cfg["BLOCK_H"], BLOCK_R2=_pow2(R // 2), USE_PDL=cfg["USE_PDL"],
+        BLOCK_H=cfg["BLOCK_H"], BLOCK_R2=_pow2(p.rope_dim // 2), USE_PDL=cfg["USE_PDL"],
+    )  # fmt: skip
+    n_cache = _cdiv(T, cfg["BLOCK_T"])
+    return _Plan(
+        grid=n_cache + _cdiv(T * H, cfg["BLOCK_ROWS"]), n_cache=n_cache, num_warps=cfg["num_warps"],
+        pdl=cfg["USE_PDL"], cache_view=cache_view, out_view=out_view, constexprs=constexprs,
+        values=tuple(constexprs[name] for name in _CONSTEXPR_NAMES),
+    )  # fmt: skip
+
+
+def _launch(p: Problem, op: int, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache,
+            kv_cache_scale, nope=None, out=None, out_dtype=None, out_scale=None, is_nope_first=True) -> None:  # fmt: skip
+    """One launch of the kernel for op ``op``: ``nope``/``out`` are (ql_nope, q_out) for op 2,
+    (k_nope, k_out) for op 3, unused for op 1."""
+    T = p.num_tokens
+    k_pe2 = k_pe.select(1, 0) if k_pe.dim() == 3 else k_pe  # [T, 1, R] -> [T, R], a view
+    kv_c2 = kv_c.select(1, 0) if kv_c.dim() == 3 else kv_c
+    # The kernel reads the index tensors at unit stride (vLLM's are contiguous); another
+    # stride costs a copy of the T entries used, never a wrong read.
+    positions, slot_mapping = (x if x.stride(0) == 1 else x[:T].contiguous() for x in (positions, slot_mapping))
+    device = q_pe.device
+    plan = _plan(p, op, nope.shape[-1] if out is not None else 1, is_neox, is_nope_first, kv_cache_scale is not None,
+                 out_dtype if out is not None else None, out_scale is not None, device)  # fmt: skip
+    cache = _store_view(kv_cache, p.cache_dtype, plan.cache_view)
+    if out is not None:
+        out = _store_view(out, out_dtype, plan.out_view)
+        n_strides, o_strides = nope.stride(), out.stride()
+    else:
+        # Op 1 has no nope input or output; any tensors of the right kind fill the slots.
+        out = nope = q_pe
+        n_strides = o_strides = (0, 0, 0)
+    # Scale pointers must be valid tensors even when unused; any float32 tensor does.
+    dummy = cos_sin_cache
+    runtime = (
+        positions, slot_mapping, cos_sin_cache, q_pe, k_pe2, kv_c2, cache,
+        kv_cache_scale if kv_cache_scale is not None else dummy,
+        nope, out, out_scale if out_scale is not None else dummy,
+        T, cos_sin_cache.shape[0], kv_cache.shape[1], kv_cache.shape[0] * kv_cache.shape[1], plan.n_cache,
+        cos_sin_cache.stride(0), cos_sin_cache.stride(1),
+        *q_pe.stride(), *k_pe2.stride(), *kv_c2.stride(), *kv_cache.stride(),
+        *n_strides, *o_strides,
     )  # fmt: skip
     gpu = q_pe.get_device() if q_pe.is_cuda else None
     # The launch must happen on the tensors' device, not the current one (a multi-GPU
     # process would otherwise launch on the wrong GPU: "an illegal memory access").
     on_other_gpu = gpu is not None and gpu != torch.cuda.current_device()
     with torch.cuda.device(gpu) if on_other_gpu else contextlib.nullcontext():
-        _launcher(n_cache + n_query, runtime, constexprs, cfg["num_warps"], cfg["USE_PDL"],
-                  gpu if gpu is not None and _direct_launch_ok(q_pe.device) else None)  # fmt: skip
+        _launcher(plan.grid, runtime, plan.constexprs, plan.num_warps, plan.pdl,
+                  gpu if gpu is not None and _direct_launch_ok(device) else None, plan.values)  # fmt: skip
 
 
 def rope_cache_write(
