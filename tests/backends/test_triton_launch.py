@@ -321,3 +321,57 @@ def test_plans_hand_constexprs_over_in_the_kernels_order():
     with tb.forced_launch_config(forced):
         assert tb._plan(p, 3, 128, True, True, False, torch.bfloat16, False, cpu).constexprs["BLOCK_ROWS"] == 1
     assert tb._plan(p, 3, 128, True, True, False, torch.bfloat16, False, cpu) is plan
+
+
+@pytest.mark.parametrize("op", [1, 2, 3])
+def test_direct_launch_of_the_real_kernel_passes_what_triton_would_bind(op, monkeypatch):
+    """The launch plan's constexpr values, handed to a compiled binary by the direct launcher,
+    are the kernel's parameters in its own order: the binary's launcher receives exactly what
+    binding the same call to the kernel's signature gives (stand-ins for the binary and the
+    driver; the kernel's real parameter list)."""
+    from triton.runtime.jit import JITFunction
+
+    fn = tb._mla_rope_cache_kernel
+    real = fn if isinstance(fn, JITFunction) else JITFunction(fn.fn, **fn.kwargs)
+    sig = inspect.signature(real.fn)
+    launches = []
+
+    class Compiled:  # Triton's JITFunction for the launcher: binds, 'compiles', returns a binary
+        params = real.params
+
+        def __getitem__(self, grid):
+            def run(*args, num_warps, launch_pdl=False, **kwargs):
+                binary = _Binary(launches)
+                bound = sig.bind(*args, **kwargs).arguments
+                binary.run(grid[0], 1, 1, "stream", binary.function, binary.packed_metadata, None, None, None,
+                           *bound.values())  # fmt: skip
+                return binary
+
+            return run
+
+    calls = []
+    monkeypatch.setattr(tb, "_launcher", lambda *a: calls.append(a))
+    T, H, L, R, P = 5, 4, 32, 16, 8
+    p = Problem(num_tokens=T, num_heads=H, kv_lora_rank=L, rope_dim=R, cache_dtype=torch.bfloat16,
+                q_out_dtype=torch.bfloat16 if op == 2 else None, nope_dim=P if op == 3 else None,
+                k_out_dtype=torch.bfloat16 if op == 3 else None)  # fmt: skip
+    pos, slots = torch.arange(T), torch.arange(T)
+    q_pe, k_pe, kv_c = torch.randn(T, H, R), torch.randn(T, 1, R), torch.randn(T, L)
+    cos, cache = torch.randn(32, R), torch.empty(4, 4, L + R, dtype=torch.bfloat16)
+    if op == 1:
+        tb.rope_cache_write(p, pos, q_pe, k_pe, kv_c, cos, False, slots, cache, None)
+    elif op == 2:
+        tb.decode_rope_cache_write(p, pos, torch.randn(T, H, L), q_pe, k_pe, kv_c, cos, False, slots, cache,
+                                   torch.empty(T, H, L + R), None, None, False)  # fmt: skip
+    else:
+        tb.prefill_rope_cache_write(p, pos, q_pe, k_pe, kv_c, torch.randn(T, H, P), cos, False, slots, cache,
+                                    torch.empty(T, H, P + R), None)  # fmt: skip
+    (grid, runtime, constexprs, num_warps, pdl, _, values), = calls
+    monkeypatch.setattr(tb, "_triton_driver", _FakeDriver)
+    monkeypatch.setattr(tb, "_hooks_unset", lambda: True)
+    launcher = tb._DirectLauncher(Compiled(), num_pointers=11)
+    assert launcher.usable
+    for _ in range(2):  # Triton's path (binds by name), then the direct one (by position)
+        launcher(grid, runtime, constexprs, num_warps, pdl, 0, values)
+    assert len(launches) == 2 and launches[0] == launches[1]
+    assert launches[1][9:] == tuple(sig.bind(*runtime, **constexprs).arguments.values())
