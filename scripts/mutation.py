@@ -15,7 +15,7 @@ checkout itself is never modified, even when interrupted. The copy is imported f
 3. Summary: killed/total; exit status 0 only if every mutant was killed and none errored.
 
 Too slow for .ci/run: 51 mutants at 4-40 s each (the plugin ones import vLLM), plus a
-baseline of 6 pytest runs, took 481 s (~8 minutes) on a 2-core CPU machine; the time of each
+baseline of 6 pytest runs, took ~650 s (~11 minutes; 48 of them 628 s) on a 2-core CPU machine; the time of each
 run is printed at the end.
 """
 
