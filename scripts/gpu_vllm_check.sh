@@ -7,7 +7,7 @@
 #     e2e1      end-to-end benchmark part 1: bf16 KV cache, 2 engines per side alternating on/off
 #     e2e2      part 2: fp8 KV cache, 2 per side, then more bf16 pairs while the deadline allows
 #     e2ex      a part of one's own: tag $E2E_TAG (default partx), benchmark options $E2E_ARGS (default a
-#               bf16 pair); variants of the plugin come from the environment (VLLM_MLA_FUSION_* set for
+#               bf16 pair); variants of the plugin come from the environment (its variables set for
 #               the call), and the compile caches in $E2E_WORK from earlier parts make its engines warm
 #     env       only set up the environment and print versions
 # Logs and results go under $OUT (default ./gpu_out); a short summary is printed last. The whole
