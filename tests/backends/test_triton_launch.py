@@ -221,13 +221,9 @@ def test_the_kernel_takes_pointers_and_integers_first_then_constexprs():
     assert n == 11 + 23 and all(constexpr[n:])
 
 
-@pytest.mark.parametrize("op", [1, 2, 3])
-def test_launch_hands_every_parameter_over(op, monkeypatch):
-    """What _launch passes is exactly the kernel's parameter list: runtime ones in order, then
-    every constexpr by name (the direct launcher reorders those by signature)."""
-    captured = {}
-    monkeypatch.setattr(tb, "_launcher", lambda grid, runtime, constexprs, *a: captured.update(r=runtime, c=constexprs))
-    T, H, L, R, P = 3, 2, 16, 8, 4
+def _call_backend(op: int, T: int, H: int, L: int, R: int, P: int, is_neox: bool) -> None:
+    """One call of the Triton backend's op ``op`` on small CPU tensors (the launch itself is the
+    caller's stand-in for ``tb._launcher``)."""
     p = Problem(num_tokens=T, num_heads=H, kv_lora_rank=L, rope_dim=R, cache_dtype=torch.bfloat16,
                 q_out_dtype=torch.bfloat16 if op == 2 else None, nope_dim=P if op == 3 else None,
                 k_out_dtype=torch.bfloat16 if op == 3 else None)  # fmt: skip
@@ -235,20 +231,29 @@ def test_launch_hands_every_parameter_over(op, monkeypatch):
     q_pe, k_pe, kv_c = torch.randn(T, H, R), torch.randn(T, 1, R), torch.randn(T, L)
     cos, cache = torch.randn(32, R), torch.empty(4, 4, L + R, dtype=torch.bfloat16)
     if op == 1:
-        tb.rope_cache_write(p, pos, q_pe, k_pe, kv_c, cos, True, slots, cache, None)
+        tb.rope_cache_write(p, pos, q_pe, k_pe, kv_c, cos, is_neox, slots, cache, None)
     elif op == 2:
-        tb.decode_rope_cache_write(p, pos, torch.randn(T, H, L), q_pe, k_pe, kv_c, cos, True, slots, cache,
-                                   torch.empty(T, H, L + R), None, None, True)  # fmt: skip
+        tb.decode_rope_cache_write(p, pos, torch.randn(T, H, L), q_pe, k_pe, kv_c, cos, is_neox, slots, cache,
+                                   torch.empty(T, H, L + R), None, None, is_neox)  # fmt: skip
     else:
-        tb.prefill_rope_cache_write(p, pos, q_pe, k_pe, kv_c, torch.randn(T, H, P), cos, True, slots, cache,
+        tb.prefill_rope_cache_write(p, pos, q_pe, k_pe, kv_c, torch.randn(T, H, P), cos, is_neox, slots, cache,
                                     torch.empty(T, H, P + R), None)  # fmt: skip
+
+
+@pytest.mark.parametrize("op", [1, 2, 3])
+def test_launch_hands_every_parameter_over(op, monkeypatch):
+    """What _launch passes is exactly the kernel's parameter list: runtime ones in order, then
+    every constexpr by name (the direct launcher reorders those by signature)."""
+    captured = {}
+    monkeypatch.setattr(tb, "_launcher", lambda grid, runtime, constexprs, *a: captured.update(r=runtime, c=constexprs))
+    _call_backend(op, T=3, H=2, L=16, R=8, P=4, is_neox=True)
     params = _kernel_params()
     runtime_names = [name for name, c in params if not c]
     assert len(captured["r"]) == len(runtime_names)
     assert all(isinstance(x, torch.Tensor) for x in captured["r"][:11])
     assert all(isinstance(x, int) for x in captured["r"][11:])
     assert sorted(captured["c"]) == sorted(name for name, c in params if c)
-    assert captured["r"][11] == T  # num_tokens
+    assert captured["r"][11] == 3  # num_tokens
 
 
 # --- Triton's own specialization of the kernel's arguments ---------------------------------
@@ -351,21 +356,7 @@ def test_direct_launch_of_the_real_kernel_passes_what_triton_would_bind(op, monk
 
     calls = []
     monkeypatch.setattr(tb, "_launcher", lambda *a: calls.append(a))
-    T, H, L, R, P = 5, 4, 32, 16, 8
-    p = Problem(num_tokens=T, num_heads=H, kv_lora_rank=L, rope_dim=R, cache_dtype=torch.bfloat16,
-                q_out_dtype=torch.bfloat16 if op == 2 else None, nope_dim=P if op == 3 else None,
-                k_out_dtype=torch.bfloat16 if op == 3 else None)  # fmt: skip
-    pos, slots = torch.arange(T), torch.arange(T)
-    q_pe, k_pe, kv_c = torch.randn(T, H, R), torch.randn(T, 1, R), torch.randn(T, L)
-    cos, cache = torch.randn(32, R), torch.empty(4, 4, L + R, dtype=torch.bfloat16)
-    if op == 1:
-        tb.rope_cache_write(p, pos, q_pe, k_pe, kv_c, cos, False, slots, cache, None)
-    elif op == 2:
-        tb.decode_rope_cache_write(p, pos, torch.randn(T, H, L), q_pe, k_pe, kv_c, cos, False, slots, cache,
-                                   torch.empty(T, H, L + R), None, None, False)  # fmt: skip
-    else:
-        tb.prefill_rope_cache_write(p, pos, q_pe, k_pe, kv_c, torch.randn(T, H, P), cos, False, slots, cache,
-                                    torch.empty(T, H, P + R), None)  # fmt: skip
+    _call_backend(op, T=5, H=4, L=32, R=16, P=8, is_neox=False)
     (grid, runtime, constexprs, num_warps, pdl, _, values), = calls
     monkeypatch.setattr(tb, "_triton_driver", _FakeDriver)
     monkeypatch.setattr(tb, "_hooks_unset", lambda: True)
