@@ -10,6 +10,7 @@
 #   scripts/gpu_session.sh e2e      the end-to-end benchmark, bf16 KV cache (gpu_vllm_check.sh e2e1)
 #   scripts/gpu_session.sh e2e-fp8  the same with the fp8 KV cache (gpu_vllm_check.sh e2e2)
 #   scripts/gpu_session.sh e2e-x    a part of one's own ($E2E_TAG, $E2E_ARGS: gpu_vllm_check.sh e2ex)
+#   scripts/gpu_session.sh e2e-ttft three engines per side with host timers (gpu_vllm_check.sh ttft)
 #   scripts/gpu_session.sh kernels  compute-sanitizer memcheck of the new cases; the kernel benchmark's
 #                                   epilogue section and the op 1 / op 2 shapes of issue 10 with vLLM's
 #                                   kernels (K3 included) as peers; the host-cost probe; the launch
@@ -56,6 +57,9 @@ e2e)
 e2e-x)
   TOTAL_S=$(left) scripts/gpu_vllm_check.sh e2ex || status=1
   ;;
+e2e-ttft)
+  TOTAL_S=$(left) scripts/gpu_vllm_check.sh ttft || status=1
+  ;;
 e2e-fp8)
   TOTAL_S=$(left) scripts/gpu_vllm_check.sh e2e2 || status=1
   ;;
@@ -68,7 +72,7 @@ kernels)
   timeout $(( $(left) - 25 )) scripts/gpu_check.sh tune || status=1
   ;;
 *)
-  echo "usage: scripts/gpu_session.sh first|host|install|e2e|e2e-fp8|e2e-x|kernels"; exit 2 ;;
+  echo "usage: scripts/gpu_session.sh first|host|install|e2e|e2e-fp8|e2e-x|e2e-ttft|kernels"; exit 2 ;;
 esac
 echo "==== gpu_session $1: ${SECONDS}s, status $status"
 # At most 8 files come back from a call: everything goes into one archive (results, logs,
