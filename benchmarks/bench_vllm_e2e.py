@@ -592,15 +592,22 @@ def step_stats(steps, T) -> dict:
     }
 
 
+def _median_children(children: list[dict]) -> dict:
+    """name -> (count, us), each the median over ``children`` (dicts name -> (count, us); a name
+    one of them lacks counts as (0, 0) there)."""
+    names = {n for c in children for n in c}
+    return {n: (med([c.get(n, (0, 0.0))[0] for c in children]), med([c.get(n, (0, 0.0))[1] for c in children]))
+            for n in names}  # fmt: skip
+
+
 def host_stats(steps, top: int = 14) -> dict:
     """Medians over ``steps`` of the host time not inside any child event, and per child name
     (count and us per step), the ``top`` largest."""
     hosts = [s.host for s in steps if s.host]
     if not hosts:
         return {}
-    names = {n for h in hosts for n in h["children"]}
-    rows = {n: {"per_step": med([h["children"].get(n, (0, 0.0))[0] for h in hosts]),
-                "us_per_step": med([h["children"].get(n, (0, 0.0))[1] for h in hosts])} for n in names}  # fmt: skip
+    rows = {n: {"per_step": count, "us_per_step": us}
+            for n, (count, us) in _median_children([h["children"] for h in hosts]).items()}  # fmt: skip
     ranked = sorted(rows.items(), key=lambda kv: -kv[1]["us_per_step"])
     return {"host_uncovered_us_median": med([h["uncovered"] for h in hosts]), "host_children": dict(ranked[:top]),
             "host_children_other_us": sum(r["us_per_step"] for _, r in ranked[top:])}  # fmt: skip
@@ -726,13 +733,11 @@ def host_comparison(on: list, off: list) -> dict:
 
     def side(stats):
         stats = [x for x in stats if x.get("host_children")]
-        names = {n for x in stats for n in x["host_children"]}
         return {
             "span": med([x["host_span_us_median"] for x in stats]) if stats else None,
             "uncovered": med([x["host_uncovered_us_median"] for x in stats]) if stats else None,
-            "children": {n: (med([x["host_children"].get(n, {}).get("per_step", 0) for x in stats]),
-                             med([x["host_children"].get(n, {}).get("us_per_step", 0.0) for x in stats]))
-                         for n in names},  # fmt: skip
+            "children": _median_children([{n: (r["per_step"], r["us_per_step"]) for n, r in x["host_children"].items()}
+                                          for x in stats]),  # fmt: skip
         }
 
     a, b = side(on), side(off)

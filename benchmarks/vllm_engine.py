@@ -27,6 +27,7 @@ the JIT log) lives on the worker object, in the process that runs the model.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import time
@@ -408,6 +409,20 @@ def read_jit_log(worker) -> list:
     return list(getattr(worker, "_mla_jit_log", None) or [])
 
 
+def _timed(fn, record):
+    """``fn`` wrapped to call ``record(args, start, seconds)`` after every call (host clock)."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            record(args, t, time.perf_counter() - t)
+
+    return call
+
+
 def install_host_timer(worker) -> bool:
     """(remote, collective_rpc) Time the model runner's ``execute_model`` and ``sample_tokens`` on
     the host from now on, and every garbage collection of the worker's process.
@@ -418,26 +433,20 @@ def install_host_timer(worker) -> bool:
     scheduled tokens); each collection: (generation, start, seconds). ``read_host_timer``
     returns and clears them.
     """
-    import gc
-
     if getattr(worker, "_mla_host_log", None) is not None:
         return True
     log_ = worker._mla_host_log = {"calls": [], "gc": []}
     runner = worker.model_runner
 
-    def timed(name, fn):
-        def call(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                tokens = getattr(args[0], "total_num_scheduled_tokens", None) if args else None
-                log_["calls"].append((name, t, time.perf_counter() - t, tokens))
+    def record_call(name):
+        def record(args, t, seconds):
+            tokens = getattr(args[0], "total_num_scheduled_tokens", None) if args else None
+            log_["calls"].append((name, t, seconds, tokens))
 
-        return call
+        return record
 
     for name in ("execute_model", "sample_tokens"):
-        setattr(runner, name, timed(name, getattr(runner, name)))
+        setattr(runner, name, _timed(getattr(runner, name), record_call(name)))
     started: list = []
 
     def on_gc(phase, info):
@@ -504,7 +513,6 @@ def install_region_timer(worker) -> list:
     a region inside another counts in both). Costs ~1 us per call on both sides; for diagnosis
     runs only (``--host-regions``). ``read_host_timer`` returns the totals since its last read.
     Returns the regions it wrapped."""
-    import functools
     import importlib
 
     if getattr(worker, "_mla_host_log", None) is None:
@@ -525,21 +533,17 @@ def install_region_timer(worker) -> list:
             wrapped.append(region)
             continue
 
-        def make(fn, region):
-            @functools.wraps(fn)
-            def timed(*args, **kwargs):
-                t = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    row = totals.setdefault(region, [0, 0.0])
-                    row[0] += 1
-                    row[1] += time.perf_counter() - t
+        def add_to(region):
+            def record(args, t, seconds):
+                row = totals.setdefault(region, [0, 0.0])
+                row[0] += 1
+                row[1] += seconds
 
-            timed._mla_region = True
-            return timed
+            return record
 
-        setattr(obj, attr, make(fn, region))
+        timed = _timed(fn, add_to(region))
+        timed._mla_region = True
+        setattr(obj, attr, timed)
         wrapped.append(region)
     return wrapped
 

@@ -100,6 +100,7 @@ class Step:
     gen_reqs: int
     gen_tokens: int
     closed: bool = False  # a later step bounds its launch window
+    thread: tuple = ()  # (pid, tid) of the annotation: the host thread that ran the step
     gpu: list[GpuEvent] = field(default_factory=list)
     cpu_ops: Counter = field(default_factory=Counter)
     cpu_op_us: Counter = field(default_factory=Counter)  # host time inside each counted op (its event's dur)
@@ -229,7 +230,8 @@ def parse_steps(trace: dict, cpu_op_names: Iterable[str] | None = None) -> list[
         m = STEP_RE.match(ev.get("name", ""))
         if m:
             cr, ct, gr, gt = (int(g) for g in m.groups())
-            steps.append(Step(0, ev["name"], float(ev["ts"]), float(ev.get("dur", 0.0)), cr, ct, gr, gt))
+            steps.append(Step(0, ev["name"], float(ev["ts"]), float(ev.get("dur", 0.0)), cr, ct, gr, gt,
+                              thread=(ev.get("pid"), ev.get("tid"))))  # fmt: skip
     steps.sort(key=lambda s: s.ts)
     for i, s in enumerate(steps):
         s.index = i
@@ -291,10 +293,6 @@ def host_breakdown(trace: dict, steps: list[Step]) -> list[dict]:
     thread, the profiler's) are not children.
     """
     events = trace.get("traceEvents", trace if isinstance(trace, list) else [])
-    annotations = {}
-    for ev in events:
-        if ev.get("ph") == "X" and ev.get("cat") == "user_annotation" and STEP_RE.match(ev.get("name", "")):
-            annotations[float(ev["ts"])] = (ev.get("pid"), ev.get("tid"))
     threads: dict = {}
     for ev in events:
         if ev.get("ph") == "X" and ev.get("cat") in HOST_CATEGORIES and not STEP_RE.match(ev.get("name", "")):
@@ -304,7 +302,7 @@ def host_breakdown(trace: dict, steps: list[Step]) -> list[dict]:
         evs.sort(key=lambda e: (e[0], -e[1]))  # a parent before the children that start with it
     out = []
     for s in steps:
-        evs = threads.get(annotations.get(s.ts), [])
+        evs = threads.get(s.thread, [])
         end = s.ts + s.dur
         i = bisect.bisect_left(evs, (s.ts, float("-inf")))
         children: dict = {}

@@ -51,17 +51,10 @@ host)
 install)
   install_during_kernel_tests 240
   ;;
-e2e)
-  TOTAL_S=$(left) scripts/gpu_vllm_check.sh e2e1 || status=1
-  ;;
-e2e-x)
-  TOTAL_S=$(left) scripts/gpu_vllm_check.sh e2ex || status=1
-  ;;
-e2e-ttft)
-  TOTAL_S=$(left) scripts/gpu_vllm_check.sh ttft || status=1
-  ;;
-e2e-fp8)
-  TOTAL_S=$(left) scripts/gpu_vllm_check.sh e2e2 || status=1
+e2e | e2e-fp8 | e2e-x | e2e-ttft)
+  # Each is one stage of gpu_vllm_check.sh, given the time this call has left.
+  declare -A stage=([e2e]=e2e1 [e2e-fp8]=e2e2 [e2e-x]=e2ex [e2e-ttft]=ttft)
+  TOTAL_S=$(left) scripts/gpu_vllm_check.sh "${stage[$1]}" || status=1
   ;;
 kernels)
   export PYTHONPATH=$SITE_DIR

@@ -259,12 +259,21 @@ def test_launch_hands_every_parameter_over(op, monkeypatch):
 # --- Triton's own specialization of the kernel's arguments ---------------------------------
 
 
+def _compiled_kernel():
+    """The project's kernel as a compiled-mode JITFunction (under TRITON_INTERPRET=1 one is
+    built from the same function and decorator arguments): its real parameter list."""
+    from triton.runtime.jit import JITFunction
+
+    fn = tb._mla_rope_cache_kernel
+    return fn if isinstance(fn, JITFunction) else JITFunction(fn.fn, **fn.kwargs)
+
+
 def _triton_specialization(monkeypatch, positions, slots, misaligned_nope: bool = False):
     """What Triton's binder (for an sm_90 target; no GPU needed) specializes an op 3 launch on,
     for CPU tensors laid out as vLLM's prefill rows of a mixed step."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
-    from triton.runtime.jit import JITFunction, create_function_from_signature
+    from triton.runtime.jit import create_function_from_signature
 
     T, H, L, R, P = positions.shape[0], 16, 512, 64, 128
     g = torch.Generator().manual_seed(3)
@@ -281,9 +290,7 @@ def _triton_specialization(monkeypatch, positions, slots, misaligned_nope: bool 
     tb.prefill_rope_cache_write(p, positions, q[..., P:], kv[:, L:].unsqueeze(1), kv[:, :L], k_nope, cos_sin, True,
                                 slots, cache, k_out, None)  # fmt: skip
     (runtime, constexprs), = calls
-    fn = tb._mla_rope_cache_kernel
-    if not isinstance(fn, JITFunction):  # TRITON_INTERPRET=1: the same decorator arguments, compiled form
-        fn = JITFunction(fn.fn, **fn.kwargs)
+    fn = _compiled_kernel()
     binder = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
     return binder(*runtime, **constexprs)[1]
 
@@ -308,10 +315,7 @@ def test_index_tensors_at_any_offset_share_one_compiled_variant(monkeypatch):
 def test_plans_hand_constexprs_over_in_the_kernels_order():
     """A launch plan's ``values`` are its constexprs in the order the compiled kernel's launcher
     takes them (Triton's parameter list), and plans are shared only between equal calls."""
-    from triton.runtime.jit import JITFunction
-
-    fn = tb._mla_rope_cache_kernel
-    jit = fn if isinstance(fn, JITFunction) else JITFunction(fn.fn, **fn.kwargs)
+    jit = _compiled_kernel()
     assert tb._CONSTEXPR_NAMES == tuple(prm.name for prm in jit.params if prm.is_constexpr)
     cpu = torch.device("cpu")
     p = _problem(64, 3)
@@ -334,10 +338,7 @@ def test_direct_launch_of_the_real_kernel_passes_what_triton_would_bind(op, monk
     are the kernel's parameters in its own order: the binary's launcher receives exactly what
     binding the same call to the kernel's signature gives (stand-ins for the binary and the
     driver; the kernel's real parameter list)."""
-    from triton.runtime.jit import JITFunction
-
-    fn = tb._mla_rope_cache_kernel
-    real = fn if isinstance(fn, JITFunction) else JITFunction(fn.fn, **fn.kwargs)
+    real = _compiled_kernel()
     sig = inspect.signature(real.fn)
     launches = []
 

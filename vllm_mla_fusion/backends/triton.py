@@ -426,10 +426,10 @@ def _native_fp8_ok(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype != torch.float8_e4m3fnuz and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _store_mode(dtype: torch.dtype, has_scale: bool, device: torch.device) -> tuple[str, dict]:
+def _store_mode(dtype: torch.dtype | None, has_scale: bool, device: torch.device) -> tuple[str, dict]:
     """How the kernel stores an output of element format ``dtype``: the view it stores through
     ("as is", "typed": the fp8 dtype itself, "bytes": uint8 bits it encodes) and the
-    constexprs describing the rounding."""
+    constexprs describing the rounding. Anything not fp8 (None too) is stored as is."""
     if not fp8.is_fp8(dtype):
         return "as is", dict(MODE=_PLAIN, HAS_SCALE=False, FP8_MAX=0.0, BIAS=0, MAN=0, SIGNED_ZERO=True, NAN=0)
     bias, man, signed_zero = _FP8_FORMATS[dtype]
@@ -646,25 +646,19 @@ class _Plan:
 
 def _plan(p: Problem, op: int, nope_width: int, is_neox: bool, is_nope_first: bool, has_cache_scale: bool,
           out_dtype: torch.dtype | None, has_out_scale: bool, device: torch.device) -> _Plan:  # fmt: skip
-    """The launch plan; cached per distinct call, except while a launch configuration is forced."""
-    if LAUNCH_CONFIG_OVERRIDE is not None:
-        cfg = dict(LAUNCH_CONFIG_OVERRIDE)
-        return _make_plan.__wrapped__(p, op, nope_width, is_neox, is_nope_first, has_cache_scale, out_dtype,
-                                      has_out_scale, device, tuple(sorted(cfg.items())))  # fmt: skip
-    return _make_plan(p, op, nope_width, is_neox, is_nope_first, has_cache_scale, out_dtype, has_out_scale, device,
-                      None)  # fmt: skip
+    """The launch plan: cached per distinct call, built afresh while a launch configuration is
+    forced (``out_dtype`` None: op 1, which has no output of its own)."""
+    make = _make_plan if LAUNCH_CONFIG_OVERRIDE is None else _make_plan.__wrapped__
+    return make(p, op, nope_width, is_neox, is_nope_first, has_cache_scale, out_dtype, has_out_scale, device)
 
 
 @functools.lru_cache(maxsize=4096)
 def _make_plan(p: Problem, op: int, nope_width: int, is_neox: bool, is_nope_first: bool, has_cache_scale: bool,
-               out_dtype: torch.dtype | None, has_out_scale: bool, device: torch.device,
-               forced: tuple | None) -> _Plan:  # fmt: skip
+               out_dtype: torch.dtype | None, has_out_scale: bool, device: torch.device) -> _Plan:  # fmt: skip
     T, H = p.num_tokens, p.num_heads
-    cfg = dict(forced) if forced is not None else _launch_config(p, op, device)
+    cfg = _launch_config(p, op, device)
     cache_view, cmeta = _store_mode(p.cache_dtype, has_cache_scale, device)
-    # Op 1 has no output of its own: its output slots take q_pe, stored as is.
-    out_view, ometa = _store_mode(out_dtype, has_out_scale, device) if out_dtype is not None else (
-        "as is", _store_mode(torch.float32, False, device)[1])  # fmt: skip
+    out_view, ometa = _store_mode(out_dtype, has_out_scale, device)  # op 1: plain (its slots take q_pe)
     constexprs = dict(
         H=H, L=p.kv_lora_rank, R=p.rope_dim, NOPE=nope_width, IS_NEOX=is_neox, OP=op, NOPE_FIRST=is_nope_first,
         CACHE_MODE=cmeta["MODE"], CACHE_HAS_SCALE=cmeta["HAS_SCALE"], CACHE_FP8_MAX=cmeta["FP8_MAX"],
