@@ -131,7 +131,21 @@ stage_e2e() {
   grep -E "^\[[0-9:]+\] " "$OUT/bench_vllm_e2e_$tag.log" | tail -n 60
   sed -n '/^==== E2E SUMMARY/,$p' "$OUT/bench_vllm_e2e_$tag.log" | head -n 80
   summary+=("e2e $tag: exit $rc")
+  collect_inductor_code "$tag"
   return $rc
+}
+
+# Inductor's generated code of every compiled piece, per side: which ops each kernel fuses, when
+# the per-kernel table shows a neighbouring kernel changing with the plugin ("Where the decode
+# saving goes"). Each side's compile cache is its own (VLLM_CACHE_ROOT per side), and the output
+# modules are the files that define call().
+collect_inductor_code() {
+  local files
+  files=$(cd "$E2E_WORK" 2>/dev/null && find . -path "*inductor_cache*" -name "*.py" -size -4M -print0 \
+    | xargs -0 -r grep -l "^def call(" 2>/dev/null)
+  if [ -z "$files" ]; then note "inductor code: none under $E2E_WORK"; return 0; fi
+  (cd "$E2E_WORK" && echo "$files" | tar -czf "$OUT/inductor_code_$1.tgz" -T -)
+  note "inductor code: $(echo "$files" | wc -l) output modules in inductor_code_$1.tgz"
 }
 
 setup_env
