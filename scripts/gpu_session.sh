@@ -69,8 +69,9 @@ kernels)
 esac
 echo "==== gpu_session $1: ${SECONDS}s, status $status"
 # At most 8 files come back from a call: everything goes into one archive (results, logs,
-# plots), and the summary logs stay beside it for a first look.
-(cd "$OUT" && find . -type f ! -name "*.tgz" | sed 's|^\./||' | sort >files.txt \
+# plots, the stages' own archives such as inductor_code_TAG.tgz); only an earlier call's
+# session_*.tgz stays out.
+(cd "$OUT" && find . -type f ! -name "session_*.tgz" | sed 's|^\./||' | sort >files.txt \
   && tar -czf "session_$1.tgz" -T files.txt && find . -mindepth 1 ! -name "session_$1.tgz" -delete)
 ls -la "$OUT"
 exit $status

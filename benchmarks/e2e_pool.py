@@ -1,0 +1,184 @@
+#!/usr/bin/env python3
+"""Issue 13's targets judged over several end-to-end runs at once.
+
+One run of ``bench_vllm_e2e.py`` has 1-3 engines per side, and the lent machines' host
+speed differs from one engine process to the next by up to ~2x (docs/performance.md,
+"Where the TTFT goes"), so a host-bound figure such as the 1k TTFT cannot be judged from
+one run. This script reads the JSON of several runs and reports, per KV-cache dtype:
+
+- per decode batch: each run's GPU-time saving per step over the predicted one, and their
+  median and minimum;
+- per prefill length: every engine's median TTFT, pooled by side over all runs, with the
+  Mann-Whitney U test of "on and off come from the same distribution" (exact two-sided p,
+  engines as the samples);
+- where the runs have host-region timers, every engine's median speed of vLLM's own
+  ``forward_mha`` code (the part of the host work that is the same on both sides), pooled
+  by side and tested the same way: whether plugin-on processes run vLLM's Python slower.
+
+    python benchmarks/e2e_pool.py benchmarks/results/bench_vllm_e2e_h200*.json* --out /tmp/pool.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_vllm_e2e import _host_split, med  # noqa: E402
+
+
+def load(path: Path) -> dict:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+@lru_cache(maxsize=None)
+def _u_counts(m: int, n: int) -> tuple[int, ...]:
+    """How many of the C(m+n, m) rankings give each U = 0 .. m*n (no ties): the exact null
+    distribution, by the recurrence on whether the largest value is an x or a y."""
+    if m == 0 or n == 0:
+        return (1,)
+    with_x = _u_counts(m - 1, n)  # the largest is an x: it beats all n y's
+    with_y = _u_counts(m, n - 1)
+    out = [0] * (m * n + 1)
+    for u, c in enumerate(with_x):
+        out[u + n] += c
+    for u, c in enumerate(with_y):
+        out[u] += c
+    return tuple(out)
+
+
+def mann_whitney(xs: list[float], ys: list[float]) -> dict | None:
+    """U = #(x > y) + #(x == y) / 2 over all pairs, and the exact two-sided p of a U at least
+    as far from m*n/2 (ties are rare in wall times and are counted as halves)."""
+    m, n = len(xs), len(ys)
+    if m == 0 or n == 0:
+        return None
+    u = sum((x > y) + 0.5 * (x == y) for x in xs for y in ys)
+    counts = _u_counts(m, n)
+    centre = m * n / 2
+    far = sum(c for k, c in enumerate(counts) if abs(k - centre) >= abs(u - centre) - 1e-9)
+    return {"u": u, "pairs": m * n, "p_two_sided": min(1.0, far / sum(counts))}
+
+
+def _engine_medians(report: dict, kv: str, value) -> dict[str, dict[str, list]]:
+    """{prefill length: {side: [value(engine's requests) for each engine]}}, skipping Nones."""
+    out: dict[str, dict[str, list]] = {}
+    for e in report.get("engines", []):
+        if e.get("kv_cache_dtype") != kv or "error" in e:
+            continue
+        for length, p in e.get("prefill", {}).items():
+            v = value(e["side"], p)
+            if v is not None:
+                out.setdefault(length, {"on": [], "off": []})[e["side"]].append(v)
+    return out
+
+
+def _ttft_ms(side: str, p: dict) -> float | None:
+    return med([t * 1e3 for t in p.get("ttft_s", [])])
+
+
+def _common_ms(side: str, p: dict) -> float | None:
+    """The engine's median host time of vLLM's own forward_mha code per prefill step."""
+    return med([x["common"] for h in p.get("host", []) if (x := _host_split(side, h))])
+
+
+def pool(reports: dict[str, dict]) -> dict:
+    """``reports``: run name -> bench_vllm_e2e JSON. The pooled figures per KV-cache dtype."""
+    out: dict = {}
+    kvs = sorted({kv for r in reports.values() for kv in r.get("summary", {})})
+    for kv in kvs:
+        decode: dict = {}
+        for name, r in reports.items():
+            for b, d in r.get("summary", {}).get(kv, {}).get("decode", {}).items():
+                decode.setdefault(int(b), {})[name] = {
+                    "saved_us": d.get("saving_busy_us"), "predicted_us": d.get("predicted_saving_us"),
+                    "ratio": d.get("measured_over_predicted"), "tpot_delta_ms": d.get("tpot_delta_ms"),
+                    "tpot_noise_ms": d.get("tpot_noise_ms") if d.get("engines_on", 0) > 1 else None,
+                }  # fmt: skip
+        for b, runs in decode.items():
+            ratios = [x["ratio"] for x in runs.values() if x["ratio"] is not None]
+            saved = [x["saved_us"] for x in runs.values() if x["saved_us"] is not None]
+            runs_summary = {"ratio_median": med(ratios), "ratio_min": min(ratios) if ratios else None,
+                            "saved_min_us": min(saved) if saved else None, "runs_saving": len(saved),
+                            "runs_lower": sum(s > 0 for s in saved)}  # fmt: skip
+            decode[b] = {"runs": runs, **runs_summary}
+        prefill: dict = {}
+        for metric, value in (("ttft_ms", _ttft_ms), ("forward_mha_host_ms", _common_ms)):
+            for name, r in reports.items():
+                for length, sides in _engine_medians(r, kv, value).items():
+                    slot = prefill.setdefault(int(length), {}).setdefault(metric, {"on": [], "off": [], "runs": {}})
+                    slot["on"] += sides["on"]
+                    slot["off"] += sides["off"]
+                    slot["runs"][name] = sides
+        for metrics in prefill.values():
+            for slot in metrics.values():
+                slot["median"] = {"on": med(slot["on"]), "off": med(slot["off"])}
+                slot["mann_whitney"] = mann_whitney(slot["on"], slot["off"])
+        out[kv] = {"decode": dict(sorted(decode.items())), "prefill": dict(sorted(prefill.items()))}
+    return out
+
+
+def _f(x, fmt="{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def markdown(pooled: dict, names: list[str]) -> str:
+    lines = ["# End-to-end runs pooled (benchmarks/e2e_pool.py)", "", "Runs: " + ", ".join(f"`{n}`" for n in names), ""]
+    for kv, k in pooled.items():
+        lines += [f"## KV cache {kv}", "", "GPU busy time saved per decode step over the prediction, per run:", "",
+                  "| B | " + " | ".join(names) + " | median | min | runs with a lower GPU time |",
+                  "|---|" + "---|" * (len(names) + 3)]  # fmt: skip
+        for b, d in k["decode"].items():
+            cells = [_f(d["runs"][n]["ratio"]) if n in d["runs"] else "" for n in names]
+            lines.append(f"| {b} | " + " | ".join(cells)
+                         + f" | {_f(d['ratio_median'])} | {_f(d['ratio_min'])} | {d['runs_lower']} of {d['runs_saving']} |")  # fmt: skip
+        lines += ["", "Per-engine medians pooled over the runs (each engine one sample; p: exact two-sided "
+                  "Mann-Whitney, on against off):", "",
+                  "| prefill L | figure | engines on | off | median on | off | U (of pairs) | p |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for length, metrics in k["prefill"].items():
+            for metric, s in metrics.items():
+                mw = s["mann_whitney"]
+                lines.append(f"| {length} | {metric} | {len(s['on'])} | {len(s['off'])} | {_f(s['median']['on'], '{:.1f}')} | "
+                             f"{_f(s['median']['off'], '{:.1f}')} | "
+                             + (f"{mw['u']:g} ({mw['pairs']}) | {mw['p_two_sided']:.3f} |" if mw else "- | - |"))  # fmt: skip
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", nargs="+", type=Path, help="bench_vllm_e2e JSON files (.json or .json.gz)")
+    ap.add_argument("--out", type=Path, help="markdown file to write (also printed)")
+    ap.add_argument("--json", type=Path, help="the pooled figures as JSON")
+    a = ap.parse_args()
+    reports = {}
+    for path in a.results:
+        name = path.name.removeprefix("bench_vllm_e2e_").split(".json")[0]
+        r = load(path)
+        if r.get("config", {}).get("mode") == "smoke":
+            print(f"skipping {path}: a CPU smoke run", file=sys.stderr)
+            continue
+        reports[name] = r
+    if not reports:
+        print("no full runs given", file=sys.stderr)
+        return 2
+    pooled = pool(reports)
+    text = markdown(pooled, list(reports))
+    print(text)
+    if a.out:
+        a.out.write_text(text + "\n")
+    if a.json:
+        a.json.write_text(json.dumps(pooled, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

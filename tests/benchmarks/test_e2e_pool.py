@@ -1,0 +1,139 @@
+"""benchmarks/e2e_pool.py: the exact Mann-Whitney test and the pooling of engines over runs."""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import e2e_pool  # noqa: E402
+
+
+def _u(xs, ys):
+    return sum((x > y) + 0.5 * (x == y) for x in xs for y in ys)
+
+
+def _permutation_p(xs, ys):
+    """Two-sided p by relabelling every split of the pooled values (the definition)."""
+    pooled, m = xs + ys, len(xs)
+    centre = len(xs) * len(ys) / 2
+    observed = abs(_u(xs, ys) - centre)
+    hits = total = 0
+    for idx in itertools.combinations(range(len(pooled)), m):
+        chosen = set(idx)
+        a = [pooled[i] for i in idx]
+        b = [pooled[i] for i in range(len(pooled)) if i not in chosen]
+        hits += abs(_u(a, b) - centre) >= observed - 1e-9
+        total += 1
+    return hits / total
+
+
+@pytest.mark.parametrize("m,n", [(1, 1), (1, 4), (2, 3), (3, 3), (4, 5), (5, 5), (7, 7)])
+def test_mann_whitney_matches_the_permutation_definition(m, n):
+    rng = random.Random(1000 * m + n)
+    for _ in range(3):
+        xs = [rng.uniform(40, 90) for _ in range(m)]
+        ys = [rng.uniform(40, 90) + rng.choice([0, 8]) for _ in range(n)]
+        got = e2e_pool.mann_whitney(xs, ys)
+        assert got["u"] == pytest.approx(_u(xs, ys))
+        assert got["pairs"] == m * n
+        assert got["p_two_sided"] == pytest.approx(_permutation_p(xs, ys))
+
+
+def test_mann_whitney_extremes_and_empty_samples():
+    got = e2e_pool.mann_whitney([10.0, 11.0, 12.0, 13.0], [1.0, 2.0, 3.0, 4.0])
+    assert got["u"] == 16 and got["p_two_sided"] == pytest.approx(2 / 70)  # 2 of C(8, 4) splits as extreme
+    assert e2e_pool.mann_whitney([], [1.0]) is None
+
+
+def _engine(index, side, kv, ttft_ms, common_ms=None, error=False):
+    e = {"index": index, "side": side, "kv_cache_dtype": kv, "prefill": {"1024": {"ttft_s": [t / 1e3 for t in ttft_ms]}}}
+    if common_ms is not None:
+        # --host-regions records: forward_mha minus the side's own part is the common code.
+        own = "op 3 (eager)" if side == "on" else "vLLM key concat"
+        e["prefill"]["1024"]["host"] = [
+            {"execute_model_ms": [50.0 + c], "regions_ms": {"forward_mha": [61, c + 3.0], own: [61, 3.0],
+                                                            "MLAAttention.forward_impl": [61, c + 5.0],
+                                                            "plugin forward_fused": [61, c + 9.0]}}
+            for c in common_ms
+        ]  # fmt: skip
+    if error:
+        e["error"] = "start: RuntimeError: boom"
+    return e
+
+
+def _report(engines, decode):
+    return {"config": {"mode": "full"}, "engines": engines, "summary": {"auto": {"decode": decode}}}
+
+
+def _decode_row(saved, predicted, engines_on=2):
+    return {"saving_busy_us": saved, "predicted_saving_us": predicted, "measured_over_predicted": saved / predicted,
+            "tpot_delta_ms": -0.1, "tpot_noise_ms": 0.2, "engines_on": engines_on}  # fmt: skip
+
+
+def test_pool_takes_every_engines_median_and_each_runs_ratio():
+    rng = random.Random(7)
+    on_a, off_a = [[rng.uniform(45, 80) for _ in range(5)] for _ in range(2)], [[rng.uniform(40, 70) for _ in range(5)]]
+    on_b, off_b = [[rng.uniform(45, 80) for _ in range(5)]], [[rng.uniform(40, 70) for _ in range(5)] for _ in range(2)]
+    common = [rng.uniform(12, 20) for _ in range(4)]
+    run_a = _report(
+        [_engine(0, "on", "auto", on_a[0], common), _engine(1, "off", "auto", off_a[0], common[::-1]),
+         _engine(2, "on", "auto", on_a[1]), _engine(3, "on", "fp8", [999.0] * 3),
+         _engine(4, "off", "auto", [1.0] * 3, error=True)],
+        {"1": _decode_row(120.0, 100.0), "64": _decode_row(150.0, 200.0)},
+    )  # fmt: skip
+    run_b = _report(
+        [_engine(0, "on", "auto", on_b[0]), _engine(1, "off", "auto", off_b[0]), _engine(2, "off", "auto", off_b[1])],
+        {"1": _decode_row(90.0, 100.0, engines_on=1), "64": _decode_row(-10.0, 200.0, engines_on=1)},
+    )  # fmt: skip
+    pooled = e2e_pool.pool({"a": run_a, "b": run_b})["auto"]
+
+    def medians(runs):
+        return sorted(e2e_pool.med(r) for r in runs)
+
+    ttft = pooled["prefill"][1024]["ttft_ms"]
+    assert sorted(ttft["on"]) == pytest.approx(medians(on_a + on_b))  # the fp8 engine stays out
+    assert sorted(ttft["off"]) == pytest.approx(medians(off_a + off_b))  # the failed engine too
+    assert ttft["median"]["on"] == pytest.approx(e2e_pool.med(medians(on_a + on_b)))
+    assert ttft["mann_whitney"]["pairs"] == 3 * 3
+    common_ms = pooled["prefill"][1024]["forward_mha_host_ms"]
+    assert common_ms["on"] == pytest.approx([e2e_pool.med(common)]) and common_ms["off"] == pytest.approx(
+        [e2e_pool.med(common)]
+    )
+    d1, d64 = pooled["decode"][1], pooled["decode"][64]
+    assert d1["ratio_median"] == pytest.approx(1.05) and d1["ratio_min"] == pytest.approx(0.9)
+    assert d64["ratio_min"] == pytest.approx(-0.05) and d64["runs_lower"] == 1 and d64["runs_saving"] == 2
+    assert d1["runs"]["b"]["tpot_noise_ms"] is None  # one engine per side: no spread to call noise
+    assert d1["runs"]["a"]["tpot_noise_ms"] == 0.2
+    text = e2e_pool.markdown(e2e_pool.pool({"a": run_a, "b": run_b}), ["a", "b"])
+    assert "| 64 | 0.75 | -0.05 | 0.35 | -0.05 | 1 of 2 |" in text
+
+
+def test_main_reads_gzipped_runs_and_refuses_smoke_only_input(tmp_path, capsys):
+    rng = random.Random(3)
+    report = _report([_engine(0, "on", "auto", [rng.uniform(40, 60) for _ in range(3)]),
+                      _engine(1, "off", "auto", [rng.uniform(40, 60) for _ in range(3)])],
+                     {"1": _decode_row(110.0, 100.0)})  # fmt: skip
+    path = tmp_path / "bench_vllm_e2e_h200_x.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(report, f)
+    out = tmp_path / "pool.md"
+    sys_argv = sys.argv
+    try:
+        sys.argv = ["e2e_pool.py", str(path), "--out", str(out)]
+        assert e2e_pool.main() == 0
+        assert "`h200_x`" in out.read_text() and "| 1 | 1.10 |" in out.read_text()
+        smoke = tmp_path / "bench_vllm_e2e_smoke.json"
+        smoke.write_text(json.dumps({**report, "config": {"mode": "smoke"}}))
+        sys.argv = ["e2e_pool.py", str(smoke)]
+        assert e2e_pool.main() == 2
+    finally:
+        sys.argv = sys_argv
+    assert "CPU smoke run" in capsys.readouterr().err
