@@ -4,7 +4,8 @@
 What a vLLM user runs, on one GPU: ``vllm.LLM`` with its serving defaults
 (multiprocessing engine core, async scheduling, torch.compile + CUDA graphs, the
 attention backend vLLM picks), dummy weights, a bf16 or fp8 KV cache. Engines
-alternate plugin on / off (``--runs`` per side), each a fresh engine-core process;
+alternate plugin on / off in pairs whose order alternates too (on, off, off, on, ...;
+``--runs`` per side), each a fresh engine-core process;
 per engine:
 
 1. first request: B=1, 64-token prompt, 1 output token, right after start-up, then
@@ -20,8 +21,8 @@ per engine:
    and the busy time (union of GPU intervals), median over the steps;
 4. timing passes 1 .. ``--repeats``-1, as far as the deadline allows.
 
-The deadline (``--deadline-s``) is kept by pairs: an "on" engine starts only if its
-"off" partner still fits, and leaves it the time; an engine short of time skips
+The deadline (``--deadline-s``) is kept by pairs: the first engine of a pair starts only if
+its partner still fits, and leaves it the time; an engine short of time skips
 timing passes, never the first pass or (unless very late) the profile.
 
 Prompts are random token ids, new for every request, so vLLM's prefix cache (on, as
@@ -302,12 +303,15 @@ class Bench:
 
     # -- the plan -------------------------------------------------------------------
 
-    def plan(self) -> list[tuple[str, str]]:
-        sides = ("on", "off")
+    def plan(self) -> list[tuple[str, str, str | None]]:
+        """(kv cache dtype, side, the partner side that must still fit, or None) per engine, in
+        order: pairs alternate which side goes first (on, off, off, on, ...), so that neither
+        side is always the one started right after the other side's teardown."""
         out = []
         for kv in self.args.kv_cache_dtypes:
-            for _ in range(self.args.runs):
-                out += [(kv, s) for s in sides]
+            for i in range(self.args.runs):
+                first, second = ("on", "off") if i % 2 == 0 else ("off", "on")
+                out += [(kv, first, second), (kv, second, None)]
         return out
 
     def start_estimate(self, kv: str, side: str) -> float:
@@ -352,16 +356,16 @@ class Bench:
             if not queue:
                 if not a.extra_pairs:
                     break
-                queue, extra = [(a.extra_pairs, "on"), (a.extra_pairs, "off")], True
-            kv, side = queue[0]
-            # Engines run in on/off pairs: an "on" engine starts only if its "off" partner fits
+                queue, extra = [(a.extra_pairs, "on", "off"), (a.extra_pairs, "off", None)], True
+            kv, side, partner_side = queue[0]
+            # Engines run in on/off pairs: the first of a pair starts only if its partner fits
             # too, and stops measuring early enough to leave that partner its time.
-            partner = self.engine_need(kv, "off") if side == "on" else 0.0
+            partner = self.engine_need(kv, partner_side) if partner_side else 0.0
             need = self.engine_need(kv, side) + partner
             if self.elapsed() + need > a.deadline_s:
                 self.report["skipped"] += [{"kv_cache_dtype": k, "side": s, "optional": extra,
                                             "reason": f"deadline: {self.elapsed():.0f} s elapsed, ~{need:.0f} s needed, "
-                                            f"{a.deadline_s:.0f} s allowed"} for k, s in queue]  # fmt: skip
+                                            f"{a.deadline_s:.0f} s allowed"} for k, s, _ in queue]  # fmt: skip
                 log(f"deadline: not starting {len(queue)} more engine(s)")
                 break
             queue.pop(0)
@@ -499,6 +503,13 @@ class Bench:
             d["tN_s"].append(timed(llm, prompts.take(b, a.prompt_len), n))
             tpot = 1e3 * (d["tN_s"][-1] - d["t1_s"][-1]) / (n - 1)
             log(f"  pass {r} decode B={b:4d}: TPOT {tpot:.3f} ms")
+        if a.host_regions:
+            import vllm_engine as E
+
+            probe = llm.collective_rpc(E.host_speed_probe)[0]
+            rec.setdefault("host_probe", []).append(probe)
+            log(f"  pass {r} host probe: {probe['python_us_per_1k']:.1f} us per 1k loop iterations, "
+                f"{probe['torch_slice_us']:.2f} us per torch slice")  # fmt: skip
         for length in a.prefill_lens:
             if r == 0:
                 timed(llm, prompts.take(1, length), 1)
@@ -1002,7 +1013,7 @@ def parse_args(argv=None):
     ap.add_argument("--tag", default="h200", help="file name suffix: bench_vllm_e2e_<tag>.*")
     ap.add_argument("--work-dir", default=None, help="model dir, compile caches, traces (default: under --out)")
     ap.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=["auto", "fp8"])
-    ap.add_argument("--runs", type=int, default=2, help="engines per side and cache dtype, alternating on/off")
+    ap.add_argument("--runs", type=int, default=2, help="engines per side and cache dtype, in pairs: on, off, off, on, ...")
     ap.add_argument("--extra-pairs", default=None, choices=["auto", "fp8"],
                     help="after the planned engines, more on/off pairs of this cache dtype while the deadline allows")
     ap.add_argument("--on-mode", default="decode", choices=["decode", "rope_cache"],

@@ -13,7 +13,9 @@ one run. This script reads the JSON of several runs and reports, per KV-cache dt
   engines as the samples);
 - where the runs have host-region timers, every engine's median speed of vLLM's own
   ``forward_mha`` code (the part of the host work that is the same on both sides), pooled
-  by side and tested the same way: whether plugin-on processes run vLLM's Python slower.
+  by side and tested the same way: whether plugin-on processes run vLLM's Python slower;
+  and, where they have it, the engine's host-speed probe (fixed work that neither side's
+  code runs: a slower process shows there, a costlier plugin does not).
 
     python benchmarks/e2e_pool.py benchmarks/results/bench_vllm_e2e_h200*.json* --out /tmp/pool.md
 """
@@ -117,11 +119,22 @@ def pool(reports: dict[str, dict]) -> dict:
                     slot["on"] += sides["on"]
                     slot["off"] += sides["off"]
                     slot["runs"][name] = sides
-        for metrics in prefill.values():
+        # The host-speed probe (--host-regions runs since the fourth lease): per engine, not per length.
+        probe: dict = {}
+        for name, r in reports.items():
+            for e in r.get("engines", []):
+                if e.get("kv_cache_dtype") != kv or "error" in e or not e.get("host_probe"):
+                    continue
+                for metric in ("python_us_per_1k", "torch_slice_us"):
+                    slot = probe.setdefault(f"probe_{metric}", {"on": [], "off": [], "runs": {}})
+                    v = med([x[metric] for x in e["host_probe"]])
+                    slot[e["side"]].append(v)
+                    slot["runs"].setdefault(name, {"on": [], "off": []})[e["side"]].append(v)
+        for metrics in [*prefill.values(), probe]:
             for slot in metrics.values():
                 slot["median"] = {"on": med(slot["on"]), "off": med(slot["off"])}
                 slot["mann_whitney"] = mann_whitney(slot["on"], slot["off"])
-        out[kv] = {"decode": dict(sorted(decode.items())), "prefill": dict(sorted(prefill.items()))}
+        out[kv] = {"decode": dict(sorted(decode.items())), "prefill": dict(sorted(prefill.items())), "engine": probe}
     return out
 
 
@@ -143,7 +156,7 @@ def markdown(pooled: dict, names: list[str]) -> str:
                   "Mann-Whitney, on against off):", "",
                   "| prefill L | figure | engines on | off | median on | off | U (of pairs) | p |",
                   "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-        for length, metrics in k["prefill"].items():
+        for length, metrics in [*k["prefill"].items(), ("all", k.get("engine", {}))]:
             for metric, s in metrics.items():
                 mw = s["mann_whitney"]
                 lines.append(f"| {length} | {metric} | {len(s['on'])} | {len(s['off'])} | {_f(s['median']['on'], '{:.1f}')} | "

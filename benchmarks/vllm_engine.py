@@ -548,6 +548,35 @@ def install_region_timer(worker) -> list:
     return wrapped
 
 
+def host_speed_probe(worker) -> dict:
+    """(remote, collective_rpc) The engine process's host speed on fixed work that no code of
+    vLLM's or the plugin's runs: a pure-Python loop and torch's CPU dispatch (slicing a small CPU
+    tensor). Median of 5 rounds, in us per 1000 loop iterations and per slice. It tells "this
+    process runs all Python slower" apart from "the plugin's code costs more": only the first
+    moves it (docs/performance.md, "Where the TTFT goes"). ~10 ms a call."""
+    import torch
+
+    def python_round() -> float:
+        t = time.perf_counter()
+        d: dict = {}
+        for i in range(5000):
+            d[i & 63] = d.get((i * 7) & 63, 0) + i
+        return (time.perf_counter() - t) / 5
+
+    x = torch.empty(64)
+
+    def torch_round() -> float:
+        t = time.perf_counter()
+        for _ in range(500):
+            x[1:3]
+        return (time.perf_counter() - t) / 500
+
+    python_round(), torch_round()  # warm
+    py = sorted(python_round() for _ in range(5))[2]
+    tor = sorted(torch_round() for _ in range(5))[2]
+    return {"python_us_per_1k": 1e6 * py, "torch_slice_us": 1e6 * tor}
+
+
 def kernel_cache_keys(worker) -> list:
     """(remote, collective_rpc) Triton's specialization keys of the project's kernel compiled in
     this process so far (``JITFunction.device_caches``; empty where Triton keeps them otherwise)."""

@@ -60,3 +60,27 @@ def test_host_at_equal_speed_needs_region_records(B):
     plain = [{"side": "off", "prefill": {"1024": {"host": [{"execute_model_ms": [40.0]}]}}}]
     assert B.host_at_equal_speed([], plain, "1024") == {}
     assert B._host_split("off", {"execute_model_ms": [1.0], "regions_ms": {}}) is None
+
+
+def test_pairs_alternate_which_side_goes_first(B):
+    """on, off, off, on, ...: neither side always starts right after the other's teardown; the
+    first engine of each pair names its partner (the deadline keeps room for it)."""
+    from types import SimpleNamespace
+
+    bench = SimpleNamespace(args=SimpleNamespace(kv_cache_dtypes=["auto", "fp8"], runs=3))
+    plan = B.Bench.plan(bench)
+    assert [(kv, side) for kv, side, _ in plan] == [
+        ("auto", "on"), ("auto", "off"), ("auto", "off"), ("auto", "on"), ("auto", "on"), ("auto", "off"),
+        ("fp8", "on"), ("fp8", "off"), ("fp8", "off"), ("fp8", "on"), ("fp8", "on"), ("fp8", "off"),
+    ]  # fmt: skip
+    for first, second in zip(plan[::2], plan[1::2]):
+        assert first[2] == second[1] != first[1] and second[2] is None
+
+
+def test_host_speed_probe_times_fixed_work():
+    sys.path.insert(0, str(BENCH))
+    import vllm_engine
+
+    probe = vllm_engine.host_speed_probe(None)
+    # ~50-300 us per 1000 dict iterations and ~1-10 us per slice on the machines seen so far.
+    assert 1 < probe["python_us_per_1k"] < 10_000 and 0.05 < probe["torch_slice_us"] < 1_000

@@ -97,6 +97,9 @@ def test_host_time_recorded(report):
     attention_op = {"on": "mla_fusion_vllm::mla_attention_with_output", "off": "vllm::unified_mla_attention_with_output"}
     for e in report["engines"]:
         assert e["host_timer"] is True
+        # --host-regions: the host-speed probe once per timing pass, on fixed work.
+        assert len(e["host_probe"]) == cfg["repeats"]
+        assert all(x["python_us_per_1k"] > 0 and x["torch_slice_us"] > 0 for x in e["host_probe"])
         for length in cfg["prefill_lens"]:
             p = e["prefill"][str(length)]
             assert len(p["host"]) == len(p["ttft_s"]) == cfg["repeats"]

@@ -137,3 +137,21 @@ def test_main_reads_gzipped_runs_and_refuses_smoke_only_input(tmp_path, capsys):
     finally:
         sys.argv = sys_argv
     assert "CPU smoke run" in capsys.readouterr().err
+
+
+def test_pool_takes_each_engines_median_host_probe():
+    rng = random.Random(11)
+    engines = []
+    expected = {"on": [], "off": []}
+    for i, side in enumerate(["on", "off", "off", "on"]):
+        e = _engine(i, side, "auto", [50.0, 51.0])
+        e["host_probe"] = [{"python_us_per_1k": rng.uniform(50, 120), "torch_slice_us": rng.uniform(1, 4)}
+                           for _ in range(3)]  # fmt: skip
+        expected[side].append(e2e_pool.med([x["python_us_per_1k"] for x in e["host_probe"]]))
+        engines.append(e)
+    engines.append(_engine(9, "on", "auto", [50.0]))  # no probe (an older run): left out
+    pooled = e2e_pool.pool({"a": _report(engines, {})})["auto"]
+    slot = pooled["engine"]["probe_python_us_per_1k"]
+    assert slot["on"] == pytest.approx(expected["on"]) and slot["off"] == pytest.approx(expected["off"])
+    assert slot["mann_whitney"]["pairs"] == 4
+    assert "| all | probe_python_us_per_1k | 2 | 2 |" in e2e_pool.markdown(e2e_pool.pool({"a": _report(engines, {})}), ["a"])
