@@ -137,15 +137,16 @@ stage_e2e() {
 
 # Inductor's generated code of every compiled piece, per side: which ops each kernel fuses, when
 # the per-kernel table shows a neighbouring kernel changing with the plugin ("Where the decode
-# saving goes"). Each side's compile cache is its own (VLLM_CACHE_ROOT per side), and the output
-# modules are the files that define call().
+# saving goes"). Each side's compile cache is its own (VLLM_CACHE_ROOT per side); the output
+# modules are the files that define call(), and *.best_config the configurations Inductor's
+# autotuning chose for each kernel.
 collect_inductor_code() {
   local files
-  files=$(cd "$E2E_WORK" 2>/dev/null && find . -path "*inductor_cache*" -name "*.py" -size -4M -print0 \
-    | xargs -0 -r grep -l "^def call(" 2>/dev/null)
+  files=$(cd "$E2E_WORK" 2>/dev/null && { find . -path "*inductor_cache*" -name "*.py" -size -4M -print0 \
+    | xargs -0 -r grep -l "^def call(" 2>/dev/null; find . -path "*inductor_cache*" -name "*.best_config"; })
   if [ -z "$files" ]; then note "inductor code: none under $E2E_WORK"; return 0; fi
   (cd "$E2E_WORK" && echo "$files" | tar -czf "$OUT/inductor_code_$1.tgz" -T -)
-  note "inductor code: $(echo "$files" | wc -l) output modules in inductor_code_$1.tgz"
+  note "inductor code: $(echo "$files" | wc -l) files (output modules, chosen configurations) in inductor_code_$1.tgz"
 }
 
 setup_env
