@@ -108,7 +108,7 @@ def pool(reports: dict[str, dict]) -> dict:
             ratios = [x["ratio"] for x in runs.values() if x["ratio"] is not None]
             saved = [x["saved_us"] for x in runs.values() if x["saved_us"] is not None]
             runs_summary = {"ratio_median": med(ratios), "ratio_min": min(ratios) if ratios else None,
-                            "saved_min_us": min(saved) if saved else None, "runs_saving": len(saved),
+                            "saved_min_us": min(saved) if saved else None, "runs_measured": len(saved),
                             "runs_lower": sum(s > 0 for s in saved)}  # fmt: skip
             decode[b] = {"runs": runs, **runs_summary}
         prefill: dict = {}
@@ -151,7 +151,7 @@ def markdown(pooled: dict, names: list[str]) -> str:
         for b, d in k["decode"].items():
             cells = [_f(d["runs"][n]["ratio"]) if n in d["runs"] else "" for n in names]
             lines.append(f"| {b} | " + " | ".join(cells)
-                         + f" | {_f(d['ratio_median'])} | {_f(d['ratio_min'])} | {d['runs_lower']} of {d['runs_saving']} |")  # fmt: skip
+                         + f" | {_f(d['ratio_median'])} | {_f(d['ratio_min'])} | {d['runs_lower']} of {d['runs_measured']} |")  # fmt: skip
         lines += ["", "Per-engine medians pooled over the runs (each engine one sample; p: exact two-sided "
                   "Mann-Whitney, on against off):", "",
                   "| prefill L | figure | engines on | off | median on | off | U (of pairs) | p |",

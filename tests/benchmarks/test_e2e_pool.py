@@ -109,7 +109,7 @@ def test_pool_takes_every_engines_median_and_each_runs_ratio():
     )
     d1, d64 = pooled["decode"][1], pooled["decode"][64]
     assert d1["ratio_median"] == pytest.approx(1.05) and d1["ratio_min"] == pytest.approx(0.9)
-    assert d64["ratio_min"] == pytest.approx(-0.05) and d64["runs_lower"] == 1 and d64["runs_saving"] == 2
+    assert d64["ratio_min"] == pytest.approx(-0.05) and d64["runs_lower"] == 1 and d64["runs_measured"] == 2
     assert d1["runs"]["b"]["tpot_noise_ms"] is None  # one engine per side: no spread to call noise
     assert d1["runs"]["a"]["tpot_noise_ms"] == 0.2
     text = e2e_pool.markdown(e2e_pool.pool({"a": run_a, "b": run_b}), ["a", "b"])
