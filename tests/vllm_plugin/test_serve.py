@@ -49,6 +49,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class PortTaken(Exception):
+    """The port free_port() found was bound by another process before the server bound it."""
+
+
 class Server:
     """``python -m demo.serve`` in its own process group, its log in a file."""
 
@@ -81,6 +85,8 @@ class Server:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if "Address already in use" in self.log():
+                    raise PortTaken(self.port)
                 pytest.fail(f"the server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
@@ -120,12 +126,18 @@ def complete_all(port: int) -> list[dict]:
 
 
 def serve_and_complete(model: Path, plugin: bool, log_path: Path) -> tuple[list[dict], str]:
-    server = Server(model, plugin, log_path)
-    try:
-        server.wait_healthy()
-        return complete_all(server.port), server.log()
-    finally:
-        server.stop()
+    # A port is free when free_port() looks and bound a moment later; anything else on the
+    # machine (a gloo or ZMQ socket of another test run) can take it in between: try another.
+    for _ in range(3):
+        server = Server(model, plugin, log_path)
+        try:
+            server.wait_healthy()
+            return complete_all(server.port), server.log()
+        except PortTaken:
+            continue
+        finally:
+            server.stop()
+    pytest.fail("three free ports in a row were taken before the server could bind them")
 
 
 def test_vllm_serve_same_completions_with_plugin_on_and_off(tmp_path):

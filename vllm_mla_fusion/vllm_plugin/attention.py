@@ -86,6 +86,15 @@ class _PrefillStep:
     assembled: bool = False
 
 
+def _rows(first: int, last: int, num_tokens: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``t[first:last]`` of each tensor, or the tensors themselves when that is all ``num_tokens``
+    rows (a prefill-only step without padding): the ops read only their first ``T`` entries, and
+    each slice costs a few us of host time per layer in steps that run outside CUDA graphs."""
+    if first == 0 and last == num_tokens:
+        return tensors
+    return tuple(t[first:last] for t in tensors)
+
+
 class FusedMLAAttention(MLAAttention):
     """An MLAAttention whose RoPE, cache write and decode query come from the fused ops."""
 
@@ -195,19 +204,17 @@ class FusedMLAAttention(MLAAttention):
         last = num_decode
         if end > num_decode:
             if attn_metadata is not None and self._fuse_prefill_key(attn_metadata):
-                rows = slice(num_decode, end)
-                prefill = _PrefillStep(
-                    positions[rows], q[rows, :, -rope_dim:], kv_c_normed[rows], slots[rows], cache, cache_dtype,
-                    cos_sin_cache, is_neox,
-                )  # fmt: skip
+                pos, q_pe, kv_c, slot = _rows(num_decode, end, num_tokens, positions, q[..., -rope_dim:],
+                                              kv_c_normed, slots)  # fmt: skip
+                prefill = _PrefillStep(pos, q_pe, kv_c, slot, cache, cache_dtype, cos_sin_cache, is_neox)
             else:
                 last = end
         if last > first:
-            rows = slice(first, last)
+            pos, q_pe, k_pe_rows, kv_c, slot = _rows(first, last, num_tokens, positions, q[..., -rope_dim:], k_pe,
+                                                     kv_c_normed, slots)  # fmt: skip
             eager.mla_rope_cache_write(
-                positions[rows], q[rows, :, -rope_dim:], k_pe[rows], kv_c_normed[rows], cos_sin_cache, is_neox,
-                slots[rows], cache, cache_dtype, self._k_scale,
-            )  # fmt: skip
+                pos, q_pe, k_pe_rows, kv_c, cos_sin_cache, is_neox, slot, cache, cache_dtype, self._k_scale
+            )
         step = None
         if num_decode > 0 and self._decode_assembles_query:
             step = _DecodeStep(
