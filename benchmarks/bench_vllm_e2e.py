@@ -208,6 +208,12 @@ def timed_with_host(llm, prompts, max_tokens: int) -> tuple[float, dict]:
     return t, E.host_summary(llm.collective_rpc(E.read_host_timer)[0])
 
 
+def engine_pair(kv: str, on_first: bool) -> list[tuple[str, str, str | None]]:
+    """One on/off pair of engines: (kv cache dtype, side, the partner side that must still fit, or None)."""
+    first, second = ("on", "off") if on_first else ("off", "on")
+    return [(kv, first, second), (kv, second, None)]
+
+
 class Bench:
     def __init__(self, args):
         self.args = args
@@ -304,15 +310,9 @@ class Bench:
     # -- the plan -------------------------------------------------------------------
 
     def plan(self) -> list[tuple[str, str, str | None]]:
-        """(kv cache dtype, side, the partner side that must still fit, or None) per engine, in
-        order: pairs alternate which side goes first (on, off, off, on, ...), so that neither
-        side is always the one started right after the other side's teardown."""
-        out = []
-        for kv in self.args.kv_cache_dtypes:
-            for i in range(self.args.runs):
-                first, second = ("on", "off") if i % 2 == 0 else ("off", "on")
-                out += [(kv, first, second), (kv, second, None)]
-        return out
+        """The engines in order, as ``engine_pair`` gives them: pairs alternate which side goes first
+        (on, off, off, on, ...), so that neither side is always started right after the other's teardown."""
+        return [e for kv in self.args.kv_cache_dtypes for i in range(self.args.runs) for e in engine_pair(kv, i % 2 == 0)]
 
     def start_estimate(self, kv: str, side: str) -> float:
         """Expected start-up seconds of the next engine of (kv, side)."""
@@ -356,7 +356,7 @@ class Bench:
             if not queue:
                 if not a.extra_pairs:
                     break
-                queue, extra = [(a.extra_pairs, "on", "off"), (a.extra_pairs, "off", None)], True
+                queue, extra = engine_pair(a.extra_pairs, on_first=True), True
             kv, side, partner_side = queue[0]
             # Engines run in on/off pairs: the first of a pair starts only if its partner fits
             # too, and stops measuring early enough to leave that partner its time.

@@ -69,19 +69,6 @@ def mann_whitney(xs: list[float], ys: list[float]) -> dict | None:
     return {"u": u, "pairs": m * n, "p_two_sided": min(1.0, far / sum(counts))}
 
 
-def _engine_medians(report: dict, kv: str, value) -> dict[str, dict[str, list]]:
-    """{prefill length: {side: [value(engine's requests) for each engine]}}, skipping Nones."""
-    out: dict[str, dict[str, list]] = {}
-    for e in report.get("engines", []):
-        if e.get("kv_cache_dtype") != kv or "error" in e:
-            continue
-        for length, p in e.get("prefill", {}).items():
-            v = value(e["side"], p)
-            if v is not None:
-                out.setdefault(length, {"on": [], "off": []})[e["side"]].append(v)
-    return out
-
-
 def _ttft_ms(side: str, p: dict) -> float | None:
     return med([t * 1e3 for t in p.get("ttft_s", [])])
 
@@ -89,6 +76,39 @@ def _ttft_ms(side: str, p: dict) -> float | None:
 def _common_ms(side: str, p: dict) -> float | None:
     """The engine's median host time of vLLM's own forward_mha code per prefill step."""
     return med([x["common"] for h in p.get("host", []) if (x := _host_split(side, h))])
+
+
+def _engine_figures(e: dict):
+    """(key, value) of each figure pooled per engine: per prefill length, its median TTFT and its
+    host time in vLLM's own forward_mha code; and ("all", ...) the host-speed probe's medians,
+    where the run has them (since the fourth lease). Values may be None (not measured)."""
+    for length, p in e.get("prefill", {}).items():
+        yield (int(length), "ttft_ms"), _ttft_ms(e["side"], p)
+        yield (int(length), "forward_mha_host_ms"), _common_ms(e["side"], p)
+    if e.get("host_probe"):
+        for metric in ("python_us_per_1k", "torch_slice_us"):
+            yield ("all", f"probe_{metric}"), med([x[metric] for x in e["host_probe"]])
+
+
+def _pool_engines(reports: dict[str, dict], kv: str) -> dict:
+    """{key: slot} for every ``_engine_figures`` key: the engines' values by side over all runs
+    (``on``, ``off``) and per run (``runs``), their medians and the Mann-Whitney test. Engines
+    of another cache dtype, and engines that failed, are left out."""
+    slots: dict = {}
+    for name, r in reports.items():
+        for e in r.get("engines", []):
+            if e.get("kv_cache_dtype") != kv or "error" in e:
+                continue
+            for key, v in _engine_figures(e):
+                if v is None:
+                    continue
+                slot = slots.setdefault(key, {"on": [], "off": [], "runs": {}})
+                slot[e["side"]].append(v)
+                slot["runs"].setdefault(name, {"on": [], "off": []})[e["side"]].append(v)
+    for slot in slots.values():
+        slot["median"] = {"on": med(slot["on"]), "off": med(slot["off"])}
+        slot["mann_whitney"] = mann_whitney(slot["on"], slot["off"])
+    return slots
 
 
 def pool(reports: dict[str, dict]) -> dict:
@@ -111,29 +131,12 @@ def pool(reports: dict[str, dict]) -> dict:
                             "saved_min_us": min(saved) if saved else None, "runs_measured": len(saved),
                             "runs_lower": sum(s > 0 for s in saved)}  # fmt: skip
             decode[b] = {"runs": runs, **runs_summary}
+        slots = _pool_engines(reports, kv)
         prefill: dict = {}
-        for metric, value in (("ttft_ms", _ttft_ms), ("forward_mha_host_ms", _common_ms)):
-            for name, r in reports.items():
-                for length, sides in _engine_medians(r, kv, value).items():
-                    slot = prefill.setdefault(int(length), {}).setdefault(metric, {"on": [], "off": [], "runs": {}})
-                    slot["on"] += sides["on"]
-                    slot["off"] += sides["off"]
-                    slot["runs"][name] = sides
-        # The host-speed probe (--host-regions runs since the fourth lease): per engine, not per length.
-        probe: dict = {}
-        for name, r in reports.items():
-            for e in r.get("engines", []):
-                if e.get("kv_cache_dtype") != kv or "error" in e or not e.get("host_probe"):
-                    continue
-                for metric in ("python_us_per_1k", "torch_slice_us"):
-                    slot = probe.setdefault(f"probe_{metric}", {"on": [], "off": [], "runs": {}})
-                    v = med([x[metric] for x in e["host_probe"]])
-                    slot[e["side"]].append(v)
-                    slot["runs"].setdefault(name, {"on": [], "off": []})[e["side"]].append(v)
-        for metrics in [*prefill.values(), probe]:
-            for slot in metrics.values():
-                slot["median"] = {"on": med(slot["on"]), "off": med(slot["off"])}
-                slot["mann_whitney"] = mann_whitney(slot["on"], slot["off"])
+        for (length, metric), slot in slots.items():
+            if length != "all":
+                prefill.setdefault(length, {})[metric] = slot
+        probe = {metric: slot for (group, metric), slot in slots.items() if group == "all"}
         out[kv] = {"decode": dict(sorted(decode.items())), "prefill": dict(sorted(prefill.items())), "engine": probe}
     return out
 

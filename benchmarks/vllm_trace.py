@@ -215,13 +215,18 @@ def _correlation(ev: dict):
     return args.get("correlation", args.get("correlation id"))
 
 
+def _events(trace) -> list:
+    """The trace's events: Chrome's trace format is an object with ``traceEvents`` or a bare list."""
+    return trace if isinstance(trace, list) else trace.get("traceEvents", [])
+
+
 def parse_steps(trace: dict, cpu_op_names: Iterable[str] | None = None) -> list[Step]:
     """The session's engine steps, each with the GPU work it launched and the CPU ops it ran.
 
     ``cpu_op_names``: count only these cpu_op names (None: none; counting every aten op
     of a long trace costs time and nothing here needs it).
     """
-    events = trace.get("traceEvents", trace if isinstance(trace, list) else [])
+    events = _events(trace)
     wanted = set(cpu_op_names or ())
     steps: list[Step] = []
     for ev in events:
@@ -292,7 +297,7 @@ def host_breakdown(trace: dict, steps: list[Step]) -> list[dict]:
     span inside no child: Python between the ops). Events on other threads (vLLM's output
     thread, the profiler's) are not children.
     """
-    events = trace.get("traceEvents", trace if isinstance(trace, list) else [])
+    events = _events(trace)
     threads: dict = {}
     for ev in events:
         if ev.get("ph") == "X" and ev.get("cat") in HOST_CATEGORIES and not STEP_RE.match(ev.get("name", "")):
@@ -326,7 +331,7 @@ def host_breakdown(trace: dict, steps: list[Step]) -> list[dict]:
 
 def unattributed_gpu_events(trace: dict, steps: list[Step]) -> int:
     """GPU events whose launch lies in no step's window (profiler start/stop, other threads)."""
-    events = trace.get("traceEvents", [])
+    events = _events(trace)
     total = sum(1 for ev in events if ev.get("ph") == "X" and ev.get("cat") in GPU_CATEGORIES)
     return total - sum(len(s.gpu) for s in steps)
 

@@ -690,7 +690,7 @@ def _launch(p: Problem, op: int, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_
     positions, slot_mapping = (x if x.stride(0) == 1 else x[:T].contiguous() for x in (positions, slot_mapping))
     device = q_pe.device
     plan = _plan(p, op, nope.shape[-1] if out is not None else 1, is_neox, is_nope_first, kv_cache_scale is not None,
-                 out_dtype if out is not None else None, out_scale is not None, device)  # fmt: skip
+                 out_dtype, out_scale is not None, device)  # fmt: skip
     cache = _store_view(kv_cache, p.cache_dtype, plan.cache_view)
     if out is not None:
         out = _store_view(out, out_dtype, plan.out_view)
