@@ -12,8 +12,10 @@ per call, which is then the host's issue cost, for:
 - ``eager``: ``vllm_mla_fusion.ops.eager.*`` (the op's body without the
   dispatcher, what the vLLM plugin calls inside its attention op);
 - ``validate``: the argument checks alone;
-- ``backend``: the Triton backend function alone (its direct launcher), and the same through
-  Triton's own ``kernel[grid](...)`` path;
+- ``bound op (plugin)``: a ``binding.BoundOp`` call, what a fused vLLM layer makes per step;
+- ``backend``: the Triton backend's bound launch alone (``CompiledKernel[grid]``), the same
+  launch through ``CompiledKernel.run`` by position, and through Triton's own
+  ``kernel[grid](...)`` path;
 - vLLM's ``concat_and_cache_mla_rope_fused`` and ``concat_and_cache_mla`` C++
   ops when vLLM is importable, a trivial Triton kernel and ``x.add_(1)``.
 
@@ -38,6 +40,7 @@ import triton.language as tl  # noqa: E402
 import vllm_mla_fusion as mla  # noqa: E402
 from vllm_mla_fusion import validation  # noqa: E402
 from vllm_mla_fusion.backends import triton as tb  # noqa: E402
+from vllm_mla_fusion.binding import OP_DECODE, OP_PREFILL, BoundOp  # noqa: E402
 from vllm_mla_fusion.ops import eager  # noqa: E402
 
 L, R, P, V, MAX_POS = 512, 64, 128, 128, 163840
@@ -63,13 +66,21 @@ def per_call_us(fn, n: int) -> float:
     return sorted(rounds)[2]
 
 
-def _without_direct_launch(fn):
+def _raw_run(site, T: int, tensors: tuple):
+    """The same launch as ``site``'s, through ``CompiledKernel.run`` (the launcher object a
+    compiled kernel holds, called by position as Triton's own JIT path calls it) instead of
+    ``CompiledKernel[grid]``: the two ways of launching a compiled kernel, compared."""
+    site(T, *tensors)  # compile and keep the kernel
+    plan = site.plan(T)
+    kernel = site.kernels[plan.values]
+    pos, q_pe, k_pe, kv_c, cs, slots, cache, kv_scale, nope, out, out_scale = tensors
+    args = (pos.data_ptr(), slots.data_ptr(), cs.data_ptr(), q_pe.data_ptr(), k_pe.data_ptr(), kv_c.data_ptr(),
+            cache.data_ptr(), cs.data_ptr(), nope.data_ptr(), out.data_ptr(), cs.data_ptr(), T, *site.sizes,
+            cache.shape[0] * cache.shape[1], plan.n_cache, *site.strides, *plan.values)  # fmt: skip
+    stream = torch.cuda.current_stream().cuda_stream
+
     def call():
-        usable, tb._launcher.usable = tb._launcher.usable, False
-        try:
-            fn()
-        finally:
-            tb._launcher.usable = usable
+        kernel.run(plan.grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args)
 
     return call
 
@@ -101,23 +112,29 @@ def main() -> int:
     pre = (pos, q_pe, k_pe, kv_c, k_nope, cs, False, slots, cache, k_out, "auto", None)
     p_dec = validation.check_decode_rope_cache_write(*dec, True)
     p_pre = validation.check_prefill_rope_cache_write(*pre)
+    dec_t = (pos, q_pe, k_pe, kv_c, cs, slots, cache, None, ql_nope, q_out, None)
+    pre_t = (pos, q_pe, k_pe, kv_c, cs, slots, cache, None, k_nope, k_out, None)
+    # What a fused vLLM layer calls per step: its BoundOp (layout validated once), and below it
+    # the Triton backend's bound launch alone.
+    dec_op = BoundOp(OP_DECODE, is_neox=False, backend="triton")
+    pre_op = BoundOp(OP_PREFILL, is_neox=False, backend="triton")
+    dec_site = tb.bind(p_dec, OP_DECODE, False, True, *dec_t)
+    pre_site = tb.bind(p_pre, OP_PREFILL, False, True, *pre_t)
     rows = {
         "decode public": lambda: mla.mla_decode_rope_cache_write(*dec),
         "decode eager": lambda: eager.mla_decode_rope_cache_write(*dec, True),
+        "decode bound op (plugin)": lambda: dec_op(*dec_t),
         "decode validate": lambda: validation.check_decode_rope_cache_write(*dec, True),
-        "decode backend": lambda: tb.decode_rope_cache_write(p_dec, pos, ql_nope, q_pe, k_pe, kv_c, cs, False,
-                                                             slots, cache, q_out, None, None, True),  # fmt: skip
+        "decode backend": lambda: dec_site(T, *dec_t),
+        "decode backend, CompiledKernel.run": _raw_run(dec_site, T, dec_t),
+        "decode backend, Triton's launch path": lambda: dec_site._launch_through_triton(
+            dec_site.plan(T), T, cache.shape[0] * cache.shape[1], *dec_t),
         "prefill public": lambda: mla.mla_prefill_rope_cache_write(*pre),
         "prefill eager": lambda: eager.mla_prefill_rope_cache_write(*pre),
-        "prefill backend": lambda: tb.prefill_rope_cache_write(p_pre, pos, q_pe, k_pe, kv_c, k_nope, cs, False, slots,
-                                                               cache, k_out, None),  # fmt: skip
-        # The same two calls through Triton's own kernel[grid](...) every time (no direct launcher).
-        "decode backend, Triton's launch path": _without_direct_launch(
-            lambda: tb.decode_rope_cache_write(p_dec, pos, ql_nope, q_pe, k_pe, kv_c, cs, False, slots, cache, q_out,
-                                               None, None, True)),  # fmt: skip
-        "prefill backend, Triton's launch path": _without_direct_launch(
-            lambda: tb.prefill_rope_cache_write(p_pre, pos, q_pe, k_pe, kv_c, k_nope, cs, False, slots, cache, k_out,
-                                                None)),  # fmt: skip
+        "prefill bound op (plugin)": lambda: pre_op(*pre_t),
+        "prefill backend": lambda: pre_site(T, *pre_t),
+        "prefill backend, Triton's launch path": lambda: pre_site._launch_through_triton(
+            pre_site.plan(T), T, cache.shape[0] * cache.shape[1], *pre_t),
         "trivial triton kernel": lambda: _trivial[(1,)](scale),
         "torch x.add_(1)": lambda: scale.add_(1),
     }

@@ -7,6 +7,8 @@
 #   scripts/gpu_session.sh host     the same install while the kernel's GPU tests run; then the
 #                                   host cost per call on torch 2.14 / Triton 3.8 (no vLLM tests)
 #   scripts/gpu_session.sh install  only the install while the kernel's GPU tests run (e2e calls follow)
+#   scripts/gpu_session.sh hostpath host time per call, this checkout against .baseline/ (an older
+#                                   commit's package), then the GPU tests inside vLLM
 #   scripts/gpu_session.sh e2e      the end-to-end benchmark, bf16 KV cache (gpu_vllm_check.sh e2e1)
 #   scripts/gpu_session.sh e2e-fp8  the same with the fp8 KV cache (gpu_vllm_check.sh e2e2)
 #   scripts/gpu_session.sh e2e-x    a part of one's own ($E2E_TAG, $E2E_ARGS: gpu_vllm_check.sh e2ex)
@@ -51,6 +53,23 @@ host)
 install)
   install_during_kernel_tests 240
   ;;
+hostpath)
+  # The host path on torch 2.14 / Triton 3.8: host time per call of this checkout and of an older
+  # commit's package carried in .baseline/ (git archive of vllm_mla_fusion/ and
+  # benchmarks/host_overhead.py), alternating twice so that host-speed drift shows; then the GPU
+  # tests inside vLLM.
+  for round in 1 2; do
+    for side in new old; do
+      script=benchmarks/host_overhead.py
+      [ "$side" = old ] && script=.baseline/benchmarks/host_overhead.py
+      [ -f "$script" ] || continue
+      PYTHONPATH=$SITE_DIR timeout 90 python3 "$script" --out "$OUT/host_${side}_$round" \
+        >"$OUT/host_${side}_$round.log" 2>&1 || status=1
+      tail -n 22 "$OUT/host_${side}_$round.log"
+    done
+  done
+  TOTAL_S=$(left) scripts/gpu_vllm_check.sh env tests || status=1
+  ;;
 e2e | e2e-fp8 | e2e-x | e2e-ttft)
   # Each is one stage of gpu_vllm_check.sh, given the time this call has left.
   declare -A stage=([e2e]=e2e1 [e2e-fp8]=e2e2 [e2e-x]=e2ex [e2e-ttft]=ttft)
@@ -65,7 +84,7 @@ kernels)
   timeout $(( $(left) - 25 )) scripts/gpu_check.sh tune || status=1
   ;;
 *)
-  echo "usage: scripts/gpu_session.sh first|host|install|e2e|e2e-fp8|e2e-x|e2e-ttft|kernels"; exit 2 ;;
+  echo "usage: scripts/gpu_session.sh first|host|install|hostpath|e2e|e2e-fp8|e2e-x|e2e-ttft|kernels"; exit 2 ;;
 esac
 echo "==== gpu_session $1: ${SECONDS}s, status $status"
 # At most 8 files come back from a call: everything goes into one archive (results, logs,

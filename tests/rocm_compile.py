@@ -138,23 +138,23 @@ def capture_launch(arch: str, v: Variant):
 
     with as_rocm_machine(arch) as tb:
         kernel = tb._mla_rope_cache_kernel
-        tb._launcher.fn = Recorder()  # CPU tensors: the launcher takes Triton's kernel[grid](...) path
+        tb._mla_rope_cache_kernel = Recorder()  # CPU tensors: the launch takes Triton's kernel[grid](...) path
         try:
             if v.op == "decode":
-                p = validation.check_decode_rope_cache_write(*c.decode_args(), True)
-                tb.decode_rope_cache_write(p, c.positions, c.ql_nope, c.q_pe, c.k_pe, c.kv_c, c.cos_sin_cache,
-                                           c.is_neox, c.slot_mapping, c.kv_cache, c.q_out, c.kv_cache_scale,
-                                           c.q_scale, True)  # fmt: skip
+                op, p = 2, validation.check_decode_rope_cache_write(*c.decode_args(), True)
+                tensors = (c.positions, c.q_pe, c.k_pe, c.kv_c, c.cos_sin_cache, c.slot_mapping, c.kv_cache,
+                           c.kv_cache_scale, c.ql_nope, c.q_out, c.q_scale)  # fmt: skip
             elif v.op == "prefill":
-                p = validation.check_prefill_rope_cache_write(*c.prefill_args())
-                tb.prefill_rope_cache_write(p, c.positions, c.q_pe, c.k_pe, c.kv_c, c.k_nope, c.cos_sin_cache,
-                                            c.is_neox, c.slot_mapping, c.kv_cache, c.k_out, c.kv_cache_scale)  # fmt: skip
+                op, p = 3, validation.check_prefill_rope_cache_write(*c.prefill_args())
+                tensors = (c.positions, c.q_pe, c.k_pe, c.kv_c, c.cos_sin_cache, c.slot_mapping, c.kv_cache,
+                           c.kv_cache_scale, c.k_nope, c.k_out, None)  # fmt: skip
             else:
-                p = validation.check_rope_cache_write(*c.rope_args())
-                tb.rope_cache_write(p, c.positions, c.q_pe, c.k_pe, c.kv_c, c.cos_sin_cache, c.is_neox,
-                                    c.slot_mapping, c.kv_cache, c.kv_cache_scale)  # fmt: skip
+                op, p = 1, validation.check_rope_cache_write(*c.rope_args())
+                tensors = (c.positions, c.q_pe, c.k_pe, c.kv_c, c.cos_sin_cache, c.slot_mapping, c.kv_cache,
+                           c.kv_cache_scale, None, None, None)  # fmt: skip
+            tb.bind(p, op, c.is_neox, True, *tensors)(p.num_tokens, *tensors)
         finally:
-            tb._launcher.fn = kernel
+            tb._mla_rope_cache_kernel = kernel
         formats = {v.cache} | ({v.out} if v.out in FP8 else set())
         native = sorted(f for f in formats if f in FP8 and tb._native_fp8_ok(None, dt[f]))
     (args, kwargs), = recorded

@@ -122,8 +122,12 @@ def test_forced_backend_runs_that_backend(monkeypatch):
     calls = []
     for name in OP_BACKENDS:
         module = dispatch.load(name)
-        original = module.rope_cache_write
-        monkeypatch.setattr(module, "rope_cache_write", lambda *a, _o=original, _n=name: (calls.append(_n), _o(*a)))
+
+        def bind(*a, _bind=module.bind, _name=name):
+            site = _bind(*a)
+            return lambda *args: (calls.append(_name), site(*args))
+
+        monkeypatch.setattr(module, "bind", bind)
     for name in OP_BACKENDS:
         monkeypatch.setenv("VLLM_MLA_FUSION_BACKEND", name)
         case = make_case(T=3, H=2, seed=9)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import vllm_mla_fusion as mla
+from vllm_mla_fusion import ops
 
 pytest.importorskip("triton", reason="the GPU tests run the Triton kernel")
 from vllm_mla_fusion.backends import triton as triton_backend  # noqa: E402
@@ -136,8 +137,8 @@ def test_torch_backend_on_gpu_matches_reference():
 
 def test_auto_dispatch_on_gpu_is_triton(monkeypatch):
     calls = []
-    original = triton_backend.rope_cache_write
-    monkeypatch.setattr(triton_backend, "rope_cache_write", lambda *a: (calls.append(1), original(*a)))
+    original = triton_backend.bind
+    monkeypatch.setattr(triton_backend, "bind", lambda *a: (calls.append(1), original(*a))[1])
     case = make_case(T=4, H=16, device="cuda", **DSV3)
     mla.mla_rope_cache_write(*case.rope_args())
     assert calls == [1]
@@ -193,15 +194,16 @@ def _misaligned_copy(t: torch.Tensor, elements: int = 1) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("op", ["rope_cache", "decode", "prefill"])
-def test_direct_launch_reuses_binaries_only_when_safe(op):
+def test_direct_launch_reuses_binaries_only_when_safe(op, monkeypatch):
     """Back-to-back calls as a serving loop makes them, so that the direct launcher
     (backends/triton.py) reuses compiled binaries: repeated shapes, token counts that change
     what Triton specializes on (1, a multiple of 16, neither), and read-only inputs moved off
     16-byte alignment with their strides kept. Each call must match the reference; a binary
     compiled for aligned pointers, reused for misaligned ones, would fail here."""
-    if not triton_backend._direct_launch_ok(torch.device("cuda")):
-        pytest.skip("the direct launcher is off (ROCm or VLLM_MLA_FUSION_DIRECT_LAUNCH=0)")
-    triton_backend._launcher.kernels.clear()
+    ops._BOUND.clear()
+    direct = []
+    original = triton_backend.BoundLaunch._launch
+    monkeypatch.setattr(triton_backend.BoundLaunch, "_launch", lambda *a: (direct.append(1), original(*a))[1])
     kind = dict(decode=op == "decode", prefill=op == "prefill", nope_dim=128)
     run, check = {
         "rope_cache": (lambda c: mla.mla_rope_cache_write(*c.rope_args(), backend="triton"), check_rope_cache_write),
@@ -221,7 +223,7 @@ def test_direct_launch_reuses_binaries_only_when_safe(op):
         run(case)
         torch.cuda.synchronize()
         check(case)
-    assert triton_backend._launcher.kernels, "no call took the direct launcher"
+    assert direct, "no call took the compiled kernel's own launcher"
 
 
 @pytest.mark.parametrize("op", ["rope_cache", "prefill"])

@@ -1,33 +1,63 @@
 """The public ops and their ``torch.library`` registrations (namespace ``mla_fusion``).
 
-Each public function is a thin call of its custom op, so eager code,
-``torch.compile(fullgraph=True)`` and CUDA/HIP graph capture all go through
-the same path: validation (shape/dtype only, no sync), backend selection
-(dispatch.py), one backend call. The fakes run the same validation, so a bad
-call fails at trace time with the same message.
+Each op is defined once, by a function that maps its signature (names, types,
+defaults: the schema is inferred from it) onto a call of a :class:`~.binding.BoundOp`:
+the op's kind and static flags, then its tensors. From that one definition come
 
-``eager`` holds the custom ops' bodies themselves (same validation, selection
-and backend call, positional arguments as in ``torch.ops.mla_fusion.*``), for
-callers that already run inside an opaque custom op, such as the vLLM plugin's
-attention op: nothing traces there, and the dispatcher's per-call host cost
-would be paid per layer and step for nothing.
+- the custom op's kernel: the BoundOp for those flags (kept per flag set) runs the
+  call; it validates each new layout exactly as before (shape/dtype only, no sync)
+  and, for a layout it has validated, only checks that the call has the same one;
+- its fake: the same validation, so that a bad call fails at trace time with the
+  same message;
+- ``eager``: the kernel without torch's dispatcher, for callers already inside an
+  opaque op (tools, benchmarks);
+- the public Python function, which also checks the Python types of its arguments
+  (the dispatcher would silently turn ``is_neox=1`` into True).
+
+The ops are registered with ``torch.library.Library`` (define, implementation for the
+CPU and CUDA dispatch keys, fake), as vLLM registers its own: a call costs one trip
+through the dispatcher. ``torch.library.custom_op`` would add its Python autograd and
+in-place wrappers to every call (tens of microseconds on a GPU host), which an
+inference op never needs.
+
+The vLLM plugin does not come through here: each fused layer holds its own BoundOps.
 """
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 
 import torch
 
-from . import dispatch
-from .validation import (
-    check_argument_types,
-    check_decode_rope_cache_write,
-    check_prefill_rope_cache_write,
-    check_rope_cache_write,
-)
+from . import dispatch, validation
+from .binding import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE, BoundOp
+from .validation import check_argument_types
 
 __all__ = ["mla_rope_cache_write", "mla_decode_rope_cache_write", "mla_prefill_rope_cache_write", "eager"]
+
+NAMESPACE = "mla_fusion"
+# The ops' lifetime is the library object's: kept for the process.
+_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+
+# (op, is_neox, kv_cache_dtype, is_nope_first, backend, debug) -> BoundOp
+_BOUND: dict[tuple, BoundOp] = {}
+
+
+def bound_op(op: int, is_neox: bool, kv_cache_dtype: str, is_nope_first: bool, backend: str | None) -> BoundOp:
+    """The BoundOp a public call runs through. The backend named by the keyword or
+    ``VLLM_MLA_FUSION_BACKEND`` and ``VLLM_MLA_FUSION_DEBUG`` are read per call here (users
+    and tests change them between calls); the plugin's BoundOps read them once."""
+    key = (op, is_neox, kv_cache_dtype, is_nope_first, dispatch.requested_backend(backend),
+           validation.debug_enabled())  # fmt: skip
+    bound = _BOUND.get(key)
+    if bound is None:
+        bound = _BOUND[key] = BoundOp(op, is_neox=is_neox, kv_cache_dtype=kv_cache_dtype,
+                                      is_nope_first=is_nope_first, backend=key[4], debug=key[5])  # fmt: skip
+    return bound
+
+
+# --- the ops' definitions: signature -> (flags, tensors in BoundOp's order) -------------------
 
 
 def _rope_cache_write(
@@ -42,30 +72,9 @@ def _rope_cache_write(
     kv_cache_dtype: str = "auto",
     kv_cache_scale: torch.Tensor | None = None,
     backend: str = "auto",
-) -> None:
-    p = check_rope_cache_write(
-        positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_dtype, kv_cache_scale
-    )
-    name = dispatch.resolve(backend, q_pe.device, decode=False, problem=p)
-    if p.num_tokens == 0:
-        return
-    dispatch.load(name).rope_cache_write(
-        p, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_scale
-    )
-
-
-_mla_rope_cache_write_op = torch.library.custom_op(
-    "mla_fusion::mla_rope_cache_write", mutates_args=("q_pe", "k_pe", "kv_cache")
-)(_rope_cache_write)
-
-
-@_mla_rope_cache_write_op.register_fake
-def _(positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache,
-      kv_cache_dtype="auto", kv_cache_scale=None, backend="auto") -> None:  # fmt: skip
-    check_rope_cache_write(
-        positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_dtype, kv_cache_scale
-    )
-    dispatch.requested_backend(backend)
+) -> tuple:
+    flags = (OP_ROPE_CACHE, is_neox, kv_cache_dtype, True, backend)
+    return flags, (positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale)
 
 
 def _decode_rope_cache_write(
@@ -84,33 +93,10 @@ def _decode_rope_cache_write(
     q_scale: torch.Tensor | None = None,
     is_nope_first: bool = True,
     backend: str = "auto",
-) -> None:
-    p = check_decode_rope_cache_write(
-        positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, q_out,
-        kv_cache_dtype, kv_cache_scale, q_scale, is_nope_first,
-    )  # fmt: skip
-    name = dispatch.resolve(backend, q_pe.device, decode=True, problem=p)
-    if p.num_tokens == 0:
-        return
-    dispatch.load(name).decode_rope_cache_write(
-        p, positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, q_out,
-        kv_cache_scale, q_scale, is_nope_first,
-    )  # fmt: skip
-
-
-_mla_decode_rope_cache_write_op = torch.library.custom_op(
-    "mla_fusion::mla_decode_rope_cache_write", mutates_args=("kv_cache", "q_out")
-)(_decode_rope_cache_write)
-
-
-@_mla_decode_rope_cache_write_op.register_fake
-def _(positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, q_out,
-      kv_cache_dtype="auto", kv_cache_scale=None, q_scale=None, is_nope_first=True, backend="auto") -> None:  # fmt: skip
-    check_decode_rope_cache_write(
-        positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, q_out,
-        kv_cache_dtype, kv_cache_scale, q_scale, is_nope_first,
-    )  # fmt: skip
-    dispatch.requested_backend(backend)
+) -> tuple:
+    flags = (OP_DECODE, is_neox, kv_cache_dtype, is_nope_first, backend)
+    return flags, (positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale, ql_nope,
+                   q_out, q_scale)  # fmt: skip
 
 
 def _prefill_rope_cache_write(
@@ -127,52 +113,59 @@ def _prefill_rope_cache_write(
     kv_cache_dtype: str = "auto",
     kv_cache_scale: torch.Tensor | None = None,
     backend: str = "auto",
-) -> None:
-    p = check_prefill_rope_cache_write(
-        positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping, kv_cache, k_out,
-        kv_cache_dtype, kv_cache_scale,
-    )  # fmt: skip
-    name = dispatch.resolve(backend, q_pe.device, decode=False, problem=p)
-    if p.num_tokens == 0:
-        return
-    dispatch.load(name).prefill_rope_cache_write(
-        p, positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping, kv_cache, k_out, kv_cache_scale
-    )
+) -> tuple:
+    flags = (OP_PREFILL, is_neox, kv_cache_dtype, True, backend)
+    return flags, (positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale, k_nope,
+                   k_out, None)  # fmt: skip
 
 
-_mla_prefill_rope_cache_write_op = torch.library.custom_op(
-    "mla_fusion::mla_prefill_rope_cache_write", mutates_args=("q_pe", "k_pe", "kv_cache", "k_out")
-)(_prefill_rope_cache_write)
-
-def _named(qualname: str, body):
-    """``body`` under the custom op's name in a torch.profiler trace (when one is recording),
-    so that a profile shows the same op names whichever entry point ran."""
-
-    def call(*args):
-        if torch.autograd._profiler_enabled():
-            with torch.profiler.record_function(qualname):
-                return body(*args)
-        return body(*args)
-
-    call.__name__, call.__doc__ = body.__name__, body.__doc__
-    return call
+# Each op's name, definition and the arguments it writes.
+_OPS = {
+    "mla_rope_cache_write": (_rope_cache_write, ("q_pe", "k_pe", "kv_cache")),
+    "mla_decode_rope_cache_write": (_decode_rope_cache_write, ("kv_cache", "q_out")),
+    "mla_prefill_rope_cache_write": (_prefill_rope_cache_write, ("q_pe", "k_pe", "kv_cache", "k_out")),
+}
 
 
-eager = SimpleNamespace(
-    mla_rope_cache_write=_named("mla_fusion::mla_rope_cache_write", _rope_cache_write),
-    mla_decode_rope_cache_write=_named("mla_fusion::mla_decode_rope_cache_write", _decode_rope_cache_write),
-    mla_prefill_rope_cache_write=_named("mla_fusion::mla_prefill_rope_cache_write", _prefill_rope_cache_write),
-)
+def _kernel(definition):
+    """The op's body: run the call through the BoundOp for its flags."""
+
+    def run(*args) -> None:
+        flags, tensors = definition(*args)
+        bound_op(*flags)(*tensors)
+
+    return run
 
 
-@_mla_prefill_rope_cache_write_op.register_fake
-def _(positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping, kv_cache, k_out,
-      kv_cache_dtype="auto", kv_cache_scale=None, backend="auto") -> None:  # fmt: skip
-    check_prefill_rope_cache_write(
-        positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping, kv_cache, k_out,
-        kv_cache_dtype, kv_cache_scale,
-    )  # fmt: skip
-    dispatch.requested_backend(backend)
+def _fake(definition):
+    """The op's fake: the body's validation and backend-name check, without running anything."""
+
+    def validate(*args) -> None:
+        flags, tensors = definition(*args)
+        bound_op(*flags).validate(*tensors)
+
+    return validate
+
+
+def _schema(definition, mutates: tuple[str, ...]) -> str:
+    """The schema of ``definition``'s parameters, returning nothing (the definitions return the
+    call's flags and tensors; the op itself returns None)."""
+
+    def prototype(*args) -> None: ...
+
+    prototype.__signature__ = inspect.signature(definition, eval_str=True).replace(return_annotation=None)
+    return torch.library.infer_schema(prototype, mutates_args=mutates)
+
+
+for _name, (_definition, _mutates) in _OPS.items():
+    _LIB.define(_name + _schema(_definition, _mutates))
+    for _key in ("CPU", "CUDA"):  # CUDA also serves ROCm's HIP tensors
+        _LIB.impl(_name, _kernel(_definition), _key)
+    torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake(_definition), lib=_LIB)
+
+
+# The ops' bodies without torch's dispatcher (positional arguments as in ``torch.ops.mla_fusion.*``).
+eager = SimpleNamespace(**{name: _kernel(definition) for name, (definition, _) in _OPS.items()})
 
 
 def mla_rope_cache_write(

@@ -665,10 +665,12 @@ def fake_aiter(monkeypatch):
     return calls
 
 
-def _run_adapter(call, p, kv_cache_scale=None, q_scale=None):
-    ab.decode_rope_cache_write(
-        p, *_positional(call)[:9], call["q_out"], kv_cache_scale, q_scale, True
-    )  # fmt: skip
+def _run_adapter(call, p, kv_cache_scale=None, q_scale=None, fallback=None):
+    c = call
+    tensors = (c["positions"], c["q_pe"], c["k_pe"], c["kv_c"], c["cos_sin_cache"], c["slot_mapping"], c["kv_cache"],
+               kv_cache_scale, c["ql_nope"], c["q_out"], q_scale)  # fmt: skip
+    bound = ab.BoundDecode(p, c["is_neox"], True, fallback, torch.device("cpu"))
+    bound(p.num_tokens, *tensors)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -741,18 +743,17 @@ def test_adapter_end_to_end_fp8_uint8_storage(fake_aiter, monkeypatch, q_fp8):
 
 def test_adapter_falls_back_to_triton_for_tensor_reasons(fake_aiter, monkeypatch):
     seen = []
-    fallback = types.SimpleNamespace(decode_rope_cache_write=lambda *a: seen.append(a))
-    monkeypatch.setattr(ab, "_triton", lambda: fallback)
     call = make_call(cos_dtype=torch.float32)  # fp32 cos/sin with bf16 activations: AITER would round them
-    _run_adapter(call, problem_of(call))
+    _run_adapter(call, problem_of(call), fallback=lambda *a: seen.append(a))
     assert not fake_aiter and len(seen) == 1 and seen[0][10] is call["q_out"]
 
 
-def test_op1_goes_to_triton(monkeypatch):
-    seen = []
-    monkeypatch.setattr(ab, "_triton", lambda: types.SimpleNamespace(rope_cache_write=lambda *a: seen.append(a)))
-    ab.rope_cache_write(None, 1, 2, 3, 4, 5, False, 6, 7, None)
-    assert len(seen) == 1
+@pytest.mark.parametrize("op", [1, 3])
+def test_ops_1_and_3_go_to_triton(monkeypatch, op):
+    from vllm_mla_fusion.backends import triton as triton_backend
+
+    monkeypatch.setattr(triton_backend, "bind", lambda *a: ("triton", a[1]))
+    assert ab.bind(None, op, False, True, *range(11)) == ("triton", op)
 
 
 # --------------------------------------------------------------------------

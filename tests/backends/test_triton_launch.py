@@ -56,156 +56,145 @@ def test_forced_launch_config_bypasses_the_cache():
     assert tb._launch_config(p, 1, device) == normal
 
 
-# --- the direct launcher, against a stand-in for Triton's JITFunction ---------------------
+# --- the bound launch's reuse rule, against stand-ins for Triton's kernel and launcher ---------
 
 
-@dataclasses.dataclass
-class _Param:
-    name: str
-    is_constexpr: bool
-    do_not_specialize: bool = False
+class _Compiled:
+    """A compiled kernel as Triton returns it: ``kernel[grid]`` is its own launcher."""
 
+    def __init__(self, launches: list, values: tuple):
+        self.launches, self.values = launches, values
 
-class _Binary:
-    """A compiled kernel as Triton returns it: ``run`` is the binary's launcher."""
+    def __getitem__(self, grid):
+        def runner(*args, stream=None):
+            self.launches.append((grid, stream, args))
 
-    def __init__(self, launches: list):
-        self.function, self.packed_metadata, self.launches = object(), object(), launches
-
-    def run(self, *args):
-        self.launches.append(args)
+        return runner
 
 
 class _FakeJIT:
-    """``kernel[grid](*args, **kwargs)`` binds, 'compiles' (a new _Binary per distinct Triton
-    key) and returns the binary, like Triton's JITFunction.run."""
-
-    # ptr_a, ptr_b, n (unspecialized), stride (specialized), then constexprs
-    params = [_Param("ptr_a", False), _Param("ptr_b", False), _Param("n", False, True), _Param("stride", False),
-              _Param("BLOCK", True), _Param("MODE", True)]  # fmt: skip
+    """``kernel[grid](*args, **constexprs)`` binds by the real kernel's signature, 'compiles' (a new
+    _Compiled per distinct Triton key) and returns it, like Triton's JITFunction.run; its own
+    launch is recorded too, with the arguments bound as Triton hands them over."""
 
     def __init__(self):
-        self.slow_calls, self.launches, self.binaries = 0, [], {}
-
-    def triton_key(self, args, kwargs):
-        a, b, n, stride = args
-        spec = [(t.dtype, t.data_ptr() % 16 == 0) for t in (a, b)]
-        spec += [n < 2**31, (stride, stride % 16 == 0, stride == 1)]
-        return tuple(spec), tuple(sorted(kwargs.items()))
+        self.sig = inspect.signature(tb._mla_rope_cache_kernel.fn)
+        self.slow, self.launches, self.compiled = [], [], {}
 
     def __getitem__(self, grid):
-        def run(*args, **kwargs):
-            self.slow_calls += 1
-            binary = self.binaries.setdefault(self.triton_key(args, kwargs), _Binary(self.launches))
-            # Triton's run hands the binary every bound argument, constexprs included, in order.
-            bound = inspect.signature(lambda ptr_a, ptr_b, n, stride, BLOCK, MODE, num_warps, **o: None).bind(
-                *args, **kwargs)  # fmt: skip
-            binary.run(grid[0], 1, 1, "stream", binary.function, binary.packed_metadata, None, None, None,
-                       *[bound.arguments[p.name] for p in self.params])  # fmt: skip
-            return binary
+        def run(*args, num_warps, launch_pdl=False, **constexprs):
+            bound = self.sig.bind(*args, **constexprs).arguments
+            ptrs = [v for v in list(bound.values())[:11]]
+            key = (tuple((t.dtype, t.data_ptr() % 16 == 0) for t in ptrs[2:]), tuple(sorted(constexprs.items())),
+                   num_warps, launch_pdl)  # fmt: skip
+            values = tuple(v.data_ptr() if isinstance(v, torch.Tensor) else v for v in bound.values())
+            self.slow.append((grid[0], values))
+            return self.compiled.setdefault(key, _Compiled(self.launches, values))
 
         return run
 
 
-class _FakeDriver:
-    class active:  # noqa: N801 - the attribute path Triton's driver module has
-        @staticmethod
-        def get_current_stream(device_index):
-            return "stream"
+def _tensors(op: int, T: int, H=4, L=32, R=16, P=8, misalign: str | None = None, slots=None):
+    g = torch.Generator().manual_seed(T)
+    q = torch.randn(T, H, P + R, generator=g)
+    buf = torch.randn(T * (L + R) + 4, generator=g)
+    kv = buf[(1 if misalign == "kv" else 0):][: T * (L + R)].view(T, L + R)
+    t = dict(positions=torch.arange(T), q_pe=q[..., P:], k_pe=kv[:, L:].unsqueeze(1), kv_c=kv[:, :L],
+             cos_sin_cache=torch.randn(64, R, generator=g), slot_mapping=torch.arange(T) if slots is None else slots,
+             kv_cache=torch.empty(4, 16, L + R), kv_cache_scale=None, nope=None, out=None, out_scale=None)  # fmt: skip
+    if op == 2:
+        t.update(nope=torch.randn(T, H, L, generator=g), out=torch.empty(T, H, L + R))
+    elif op == 3:
+        t.update(nope=torch.randn(T, H, P, generator=g), out=torch.empty(T, H, P + R))
+    return t
 
 
 @pytest.fixture
-def fake(monkeypatch):
-    monkeypatch.setattr(tb, "_triton_driver", _FakeDriver)
-    monkeypatch.setattr(tb, "_hooks_unset", lambda: True)
+def fake_gpu(monkeypatch):
+    """A BoundLaunch as on a GPU (compiled kernels), with Triton's kernel and driver stood in."""
     fn = _FakeJIT()
-    return fn, tb._DirectLauncher(fn, num_pointers=2)
+    monkeypatch.setattr(tb, "_mla_rope_cache_kernel", fn)
+
+    def bound(op: int, **kw):
+        t = _tensors(op, **kw)
+        p = Problem(num_tokens=t["q_pe"].shape[0], num_heads=4, kv_lora_rank=32, rope_dim=16,
+                    cache_dtype=torch.float32, nope_dim=8 if op == 3 else None)  # fmt: skip
+        launch = tb.bind(p, op, True, True, *t.values())
+        launch.compiled, launch.device_index = True, 0
+        launch._current_stream = lambda device: f"stream{device}"
+        launch._current_device = lambda: 0
+        return launch
+
+    return fn, bound
 
 
-def _buf(n=64, offset=0, dtype=torch.float32):
-    return torch.empty(n + 8, dtype=dtype)[offset : offset + n]
+def _call(launch, op: int, T: int, **kw):
+    launch(T, *_tensors(op, T, **kw).values())
 
 
-def test_reuses_the_binary_with_arguments_in_signature_order(fake):
-    fn, launcher = fake
-    a, b = _buf(), _buf()
-    cx = {"MODE": 2, "BLOCK": 32}  # keyword order differs from the signature's
-    launcher(5, (a, b, 100, 64), cx, 4, False, 0)
-    launcher(6, (a, b, 101, 64), cx, 4, False, 0)  # another n: Triton does not specialize it
-    assert fn.slow_calls == 1 and len(fn.launches) == 2
-    direct = fn.launches[1]
-    assert direct[0] == 6 and direct[3] == "stream"
-    assert direct[9:] == (a, b, 101, 64, 32, 2)
+@pytest.mark.parametrize("op", [1, 2, 3])
+def test_first_launch_per_configuration_goes_through_triton_then_its_compiled_kernel(fake_gpu, op):
+    fn, bound = fake_gpu
+    launch = bound(op, T=5)
+    t = _tensors(op, 5)
+    launch(5, *t.values())
+    launch(5, *t.values())
+    _call(launch, op, 6)  # another token count of the same configuration: no new binding
+    assert len(fn.slow) == 1 and len(fn.launches) == 2
+    (grid, stream, args), (grid6, _, args6) = fn.launches
+    assert stream == "stream0" and grid == (launch.plan(5).grid, 1, 1) and grid6 == (launch.plan(6).grid, 1, 1)
+    # The compiled kernel's launcher gets exactly what Triton bound for the same call: every
+    # parameter, constexprs included, in the kernel's order (addresses as integers).
+    assert fn.slow[0] == (launch.plan(5).grid, args)
+    assert args6[11] == 6 and args6[15] == launch.plan(6).n_cache  # num_tokens, n_cache_programs
 
 
-@pytest.mark.parametrize(
-    "change",
-    ["misaligned pointer", "pointer dtype", "stride value", "n == 1", "n past 2**31", "constexpr", "num_warps",
-     "pdl", "device"],
-)  # fmt: skip
-def test_any_change_triton_specializes_on_takes_tritons_path(fake, change):
-    fn, launcher = fake
-    a, b = _buf(), _buf()
-    args, cx, nw, pdl, dev = (a, b, 100, 64), {"BLOCK": 32, "MODE": 2}, 4, False, 0
-    launcher(1, args, cx, nw, pdl, dev)
-    if change == "misaligned pointer":
-        args = (_buf(offset=1), b, 100, 64)  # 4 bytes past an aligned start
-    elif change == "pointer dtype":
-        args = (a, _buf(dtype=torch.int32), 100, 64)
-    elif change == "stride value":
-        args = (a, b, 100, 48)
-    elif change == "n == 1":
-        args = (a, b, 1, 64)
-    elif change == "n past 2**31":
-        args = (a, b, 2**31, 64)
-    elif change == "constexpr":
-        cx = {"BLOCK": 64, "MODE": 2}
-    elif change == "num_warps":
-        nw = 8
-    elif change == "pdl":
-        pdl = True
+@pytest.mark.parametrize("change", ["misaligned data pointer", "cache past 2**31 slots", "forced configuration"])
+def test_anything_triton_would_specialize_differently_takes_tritons_path(fake_gpu, change):
+    fn, bound = fake_gpu
+    launch = bound(1, T=8)
+    _call(launch, 1, 8)
+    assert len(fn.slow) == 1
+    if change == "misaligned data pointer":
+        _call(launch, 1, 8, misalign="kv")  # kv_c and k_pe 4 bytes off: Triton picks another variant
+        assert len(fn.slow) == 2 and len(fn.launches) == 0
+        _call(launch, 1, 8)
+        assert len(fn.launches) == 1  # aligned again: the kept variant
+    elif change == "cache past 2**31 slots":
+        t = _tensors(1, 8)
+        t["kv_cache"] = torch.empty(1).expand(2**27, 16, 48)  # 2**31 slots: a 64-bit count
+        launch(8, *t.values())
+        assert len(fn.slow) == 2 and len(fn.launches) == 0
     else:
-        dev = 1
-    launcher(1, args, cx, nw, pdl, dev)
-    assert fn.slow_calls == 2
+        cfg = dict(tb._launch_config(dataclasses.replace(launch.p, num_tokens=8), 1, torch.device("cpu")),
+                   BLOCK_ROWS=1)  # fmt: skip
+        with tb.forced_launch_config(cfg):
+            _call(launch, 1, 8)
+            assert fn.slow[-1][0] == launch.plan(8).grid  # the forced grid
+        assert len(fn.slow) == 2
+        _call(launch, 1, 8)  # the normal configuration again: its kept variant, no rebinding
+        assert len(fn.slow) == 2 and len(fn.launches) == 1
 
 
-def test_no_direct_path_without_a_device_or_with_hooks(fake, monkeypatch):
-    fn, launcher = fake
-    args, cx = (_buf(), _buf(), 100, 64), {"BLOCK": 32, "MODE": 2}
-    for _ in range(2):
-        launcher(1, args, cx, 4, False, None)  # CPU tensors / ROCm / switched off
-    assert fn.slow_calls == 2
-    monkeypatch.setattr(tb, "_hooks_unset", lambda: False)  # a profiler's launch hook must be called
-    for _ in range(2):
-        launcher(1, args, cx, 4, False, 0)
-    assert fn.slow_calls == 4
+def test_interpreter_always_takes_tritons_path(monkeypatch):
+    fn = _FakeJIT()
+    monkeypatch.setattr(tb, "_mla_rope_cache_kernel", fn)
+    t = _tensors(1, 3)
+    p = Problem(3, 4, 32, 16, torch.float32)
+    launch = tb.bind(p, 1, False, True, *t.values())
+    assert not launch.compiled  # CPU tensors
+    for _ in range(3):
+        launch(3, *t.values())
+    assert len(fn.slow) == 3 and not fn.launches
 
 
-def test_binary_cache_is_bounded(fake, monkeypatch):
-    fn, launcher = fake
-    monkeypatch.setattr(tb._DirectLauncher, "MAX_ENTRIES", 4)
-    a, b = _buf(), _buf()
-    for stride in range(16, 16 * 12, 16):
-        launcher(1, (a, b, 100, stride), {"BLOCK": 32, "MODE": 2}, 4, False, 0)
-    assert len(launcher.kernels) <= 4
-
-
-def test_hooks_unset_reads_tritons_knobs(monkeypatch):
-    knobs = pytest.importorskip("triton.knobs")
-    assert tb._hooks_unset() in (True, False)
-    chain = knobs.runtime.launch_enter_hook
-    if type(chain).__name__ == "HookChain":  # Triton 3.8: an empty chain means no hook
-        assert tb._hooks_unset()
-        hook = lambda metadata: None  # noqa: E731
-        chain.add(hook)
-        try:
-            assert not tb._hooks_unset()
-        finally:
-            chain.remove(hook)
-    else:
-        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
-        assert not tb._hooks_unset()
+def test_plans_are_bounded(fake_gpu, monkeypatch):
+    fn, bound = fake_gpu
+    monkeypatch.setattr(tb.BoundLaunch, "MAX_PLANS", 4)
+    launch = bound(1, T=1)
+    for T in range(1, 12):
+        _call(launch, 1, T)
+    assert len(launch.plans) <= 4
 
 
 def _kernel_params() -> list[tuple[str, bool]]:
@@ -219,41 +208,6 @@ def test_the_kernel_takes_pointers_and_integers_first_then_constexprs():
     constexpr = [c for _, c in params]
     n = constexpr.index(True)
     assert n == 11 + 23 and all(constexpr[n:])
-
-
-def _call_backend(op: int, T: int, H: int, L: int, R: int, P: int, is_neox: bool) -> None:
-    """One call of the Triton backend's op ``op`` on small CPU tensors (the launch itself is the
-    caller's stand-in for ``tb._launcher``)."""
-    p = Problem(num_tokens=T, num_heads=H, kv_lora_rank=L, rope_dim=R, cache_dtype=torch.bfloat16,
-                q_out_dtype=torch.bfloat16 if op == 2 else None, nope_dim=P if op == 3 else None,
-                k_out_dtype=torch.bfloat16 if op == 3 else None)  # fmt: skip
-    pos, slots = torch.arange(T), torch.arange(T)
-    q_pe, k_pe, kv_c = torch.randn(T, H, R), torch.randn(T, 1, R), torch.randn(T, L)
-    cos, cache = torch.randn(32, R), torch.empty(4, 4, L + R, dtype=torch.bfloat16)
-    if op == 1:
-        tb.rope_cache_write(p, pos, q_pe, k_pe, kv_c, cos, is_neox, slots, cache, None)
-    elif op == 2:
-        tb.decode_rope_cache_write(p, pos, torch.randn(T, H, L), q_pe, k_pe, kv_c, cos, is_neox, slots, cache,
-                                   torch.empty(T, H, L + R), None, None, is_neox)  # fmt: skip
-    else:
-        tb.prefill_rope_cache_write(p, pos, q_pe, k_pe, kv_c, torch.randn(T, H, P), cos, is_neox, slots, cache,
-                                    torch.empty(T, H, P + R), None)  # fmt: skip
-
-
-@pytest.mark.parametrize("op", [1, 2, 3])
-def test_launch_hands_every_parameter_over(op, monkeypatch):
-    """What _launch passes is exactly the kernel's parameter list: runtime ones in order, then
-    every constexpr by name (the direct launcher reorders those by signature)."""
-    captured = {}
-    monkeypatch.setattr(tb, "_launcher", lambda grid, runtime, constexprs, *a: captured.update(r=runtime, c=constexprs))
-    _call_backend(op, T=3, H=2, L=16, R=8, P=4, is_neox=True)
-    params = _kernel_params()
-    runtime_names = [name for name, c in params if not c]
-    assert len(captured["r"]) == len(runtime_names)
-    assert all(isinstance(x, torch.Tensor) for x in captured["r"][:11])
-    assert all(isinstance(x, int) for x in captured["r"][11:])
-    assert sorted(captured["c"]) == sorted(name for name, c in params if c)
-    assert captured["r"][11] == 3  # num_tokens
 
 
 # --- Triton's own specialization of the kernel's arguments ---------------------------------
@@ -285,11 +239,19 @@ def _triton_specialization(monkeypatch, positions, slots, misaligned_nope: bool 
     cos_sin = torch.randn(4096, R, generator=g)
     cache = torch.empty(8, 16, L + R, dtype=torch.bfloat16)
     calls = []
-    monkeypatch.setattr(tb, "_launcher", lambda grid, runtime, constexprs, *rest: calls.append((runtime, constexprs)))
+
+    class Recorder:  # Triton's kernel[grid](...) as the launch calls it
+        def __getitem__(self, grid):
+            return lambda *args, num_warps, launch_pdl=False, **constexprs: calls.append((args, constexprs))
+
+    monkeypatch.setattr(tb, "_mla_rope_cache_kernel", Recorder())
     p = Problem(T, H, L, R, torch.bfloat16, nope_dim=P, k_out_dtype=torch.bfloat16)
-    tb.prefill_rope_cache_write(p, positions, q[..., P:], kv[:, L:].unsqueeze(1), kv[:, :L], k_nope, cos_sin, True,
-                                slots, cache, k_out, None)  # fmt: skip
+    launch = tb.bind(p, 3, True, True, positions, q[..., P:], kv[:, L:].unsqueeze(1), kv[:, :L], cos_sin, slots,
+                     cache, None, k_nope, k_out, None)  # fmt: skip
+    launch(T, positions, q[..., P:], kv[:, L:].unsqueeze(1), kv[:, :L], cos_sin, slots, cache, None, k_nope, k_out,
+           None)  # fmt: skip
     (runtime, constexprs), = calls
+    monkeypatch.undo()
     fn = _compiled_kernel()
     binder = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
     return binder(*runtime, **constexprs)[1]
@@ -313,57 +275,16 @@ def test_index_tensors_at_any_offset_share_one_compiled_variant(monkeypatch):
 
 
 def test_plans_hand_constexprs_over_in_the_kernels_order():
-    """A launch plan's ``values`` are its constexprs in the order the compiled kernel's launcher
-    takes them (Triton's parameter list), and plans are shared only between equal calls."""
+    """A plan's ``values`` are its constexprs in the order the compiled kernel's launcher takes
+    them (Triton's parameter list)."""
     jit = _compiled_kernel()
     assert tb._CONSTEXPR_NAMES == tuple(prm.name for prm in jit.params if prm.is_constexpr)
-    cpu = torch.device("cpu")
-    p = _problem(64, 3)
-    plan = tb._plan(p, 3, 128, True, True, False, torch.bfloat16, False, cpu)
+    t = _tensors(3, 64)
+    p = Problem(64, 4, 32, 16, torch.float32, nope_dim=8)
+    plan = tb.bind(p, 3, True, True, *t.values()).plan(64)
     assert plan.values == tuple(plan.constexprs[n] for n in tb._CONSTEXPR_NAMES)
-    assert tb._plan(p, 3, 128, True, True, False, torch.bfloat16, False, cpu) is plan
-    other = tb._plan(p, 3, 128, False, True, False, torch.bfloat16, False, cpu)
-    assert other.constexprs["IS_NEOX"] is False and plan.constexprs["IS_NEOX"] is True
-    fp8_out = tb._plan(p, 3, 128, True, True, False, torch.float8_e4m3fn, False, cpu)
-    assert fp8_out.out_view == "bytes" and fp8_out.constexprs["OUT_MODE"] != plan.constexprs["OUT_MODE"]
-    forced = dict(tb._launch_config(p, 3, cpu), BLOCK_ROWS=1)
-    with tb.forced_launch_config(forced):
-        assert tb._plan(p, 3, 128, True, True, False, torch.bfloat16, False, cpu).constexprs["BLOCK_ROWS"] == 1
-    assert tb._plan(p, 3, 128, True, True, False, torch.bfloat16, False, cpu) is plan
-
-
-@pytest.mark.parametrize("op", [1, 2, 3])
-def test_direct_launch_of_the_real_kernel_passes_what_triton_would_bind(op, monkeypatch):
-    """The launch plan's constexpr values, handed to a compiled binary by the direct launcher,
-    are the kernel's parameters in its own order: the binary's launcher receives exactly what
-    binding the same call to the kernel's signature gives (stand-ins for the binary and the
-    driver; the kernel's real parameter list)."""
-    real = _compiled_kernel()
-    sig = inspect.signature(real.fn)
-    launches = []
-
-    class Compiled:  # Triton's JITFunction for the launcher: binds, 'compiles', returns a binary
-        params = real.params
-
-        def __getitem__(self, grid):
-            def run(*args, num_warps, launch_pdl=False, **kwargs):
-                binary = _Binary(launches)
-                bound = sig.bind(*args, **kwargs).arguments
-                binary.run(grid[0], 1, 1, "stream", binary.function, binary.packed_metadata, None, None, None,
-                           *bound.values())  # fmt: skip
-                return binary
-
-            return run
-
-    calls = []
-    monkeypatch.setattr(tb, "_launcher", lambda *a: calls.append(a))
-    _call_backend(op, T=5, H=4, L=32, R=16, P=8, is_neox=False)
-    (grid, runtime, constexprs, num_warps, pdl, _, values), = calls
-    monkeypatch.setattr(tb, "_triton_driver", _FakeDriver)
-    monkeypatch.setattr(tb, "_hooks_unset", lambda: True)
-    launcher = tb._DirectLauncher(Compiled(), num_pointers=11)
-    assert launcher.usable
-    for _ in range(2):  # Triton's path (binds by name), then the direct one (by position)
-        launcher(grid, runtime, constexprs, num_warps, pdl, 0, values)
-    assert len(launches) == 2 and launches[0] == launches[1]
-    assert launches[1][9:] == tuple(sig.bind(*runtime, **constexprs).arguments.values())
+    assert plan.constexprs["IS_NEOX"] is True
+    assert tb.bind(p, 3, False, True, *t.values()).plan(64).constexprs["IS_NEOX"] is False
+    t8 = dict(t, out=torch.empty(64, 4, 24, dtype=torch.float8_e4m3fn))
+    fp8_out = tb.bind(p, 3, True, True, *t8.values())
+    assert fp8_out.out_view == "bytes" and fp8_out.plan(64).constexprs["OUT_MODE"] != plan.constexprs["OUT_MODE"]

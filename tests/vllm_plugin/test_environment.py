@@ -25,7 +25,6 @@ SETTINGS = {
     "VLLM_MLA_FUSION_BACKEND": "torch",
     "VLLM_MLA_FUSION_DEBUG": "0",
     "VLLM_MLA_FUSION_PDL": "1",
-    "VLLM_MLA_FUSION_DIRECT_LAUNCH": "1",
     "VLLM_MLA_FUSION_AITER_FP8": "0",
     "VLLM_MLA_FUSION_ENV": "/nowhere/env",
     "VLLM_MLA_FUSION_AITER_TRITON_PATH": "/nowhere/aiter",

@@ -93,6 +93,41 @@ class Counter:
         return n
 
 
+class LaunchCounter:
+    """Counts a backend's launches per op (1, 2, 3): wraps each site its ``bind`` returns."""
+
+    def __init__(self, monkeypatch, backend_module):
+        self.calls = {1: 0, 2: 0, 3: 0}
+        original = backend_module.bind
+
+        def bind(p, op, *rest):
+            site = original(p, op, *rest)
+
+            def counted(*args):
+                self.calls[op] += 1
+                return site(*args)
+
+            return counted
+
+        monkeypatch.setattr(backend_module, "bind", bind)
+        # rope_cache-mode layers share module-level bound ops: start without sites bound by
+        # earlier tests, so that every site of this test is a counted one.
+        from vllm_mla_fusion.vllm_plugin import custom_ops
+
+        monkeypatch.setattr(custom_ops, "_ROPE_CACHE_OPS", {})
+
+    def of(self, op: int):
+        counter = self
+
+        class One:
+            @staticmethod
+            def take() -> int:
+                n, counter.calls[op] = counter.calls[op], 0
+                return n
+
+        return One
+
+
 # (fused mode, q_lora_rank, prefill key fused, backend takes the decode pair as it is):
 # DeepSeek-V3 (q_lora_rank 1536) in both modes, the DeepSeek-V2-Lite layout without a q
 # LoRA (q_proj instead of q_a/q_b projections), decode mode with vLLM building the prefill
@@ -181,9 +216,8 @@ def _run_schedule(vllm_cpu, layer_pair, monkeypatch, backend_module):
     ropes = {id(a.rotary_emb): a.rotary_emb for a in (off, on)}
     rope_counters = [Counter(monkeypatch, rope, "forward") for rope in ropes.values()]
     vllm_cache_writes = Counter(monkeypatch, CPUMLAImpl, "do_kv_cache_update")
-    fused_rope_cache = Counter(monkeypatch, backend_module, "rope_cache_write")
-    fused_decode = Counter(monkeypatch, backend_module, "decode_rope_cache_write")
-    fused_prefill = Counter(monkeypatch, backend_module, "prefill_rope_cache_write")
+    fused = LaunchCounter(monkeypatch, backend_module)
+    fused_rope_cache, fused_decode, fused_prefill = (fused.of(op) for op in (1, 2, 3))
     # vLLM's key concat: the step's own prefill tokens, plus one per chunk of cached context.
     vllm_key_concat = Counter(monkeypatch, MLACommonBaseImpl, "_concat_k_nope_k_pe")
 

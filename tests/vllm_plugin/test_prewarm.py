@@ -49,13 +49,13 @@ def test_profile_run_launches_every_configuration_once(vllm_cpu, triton_layer, m
     from vllm_mla_fusion.validation import Problem
 
     launches = []
-    original = tb._launch
+    original = tb.BoundLaunch.__call__
 
-    def recording(p, op, *args, **kwargs):
-        launches.append((op, tb.LAUNCH_CONFIG_OVERRIDE and dict(tb.LAUNCH_CONFIG_OVERRIDE)))
-        return original(p, op, *args, **kwargs)
+    def recording(launch, *args):
+        launches.append((launch.op, tb.LAUNCH_CONFIG_OVERRIDE and dict(tb.LAUNCH_CONFIG_OVERRIDE)))
+        return original(launch, *args)
 
-    monkeypatch.setattr(tb, "_launch", recording)
+    monkeypatch.setattr(tb.BoundLaunch, "__call__", recording)
     mla = H.mla_layer(triton_layer)[1]
     cache_before = mla.kv_cache.clone()
     T = 40
@@ -104,8 +104,8 @@ def test_only_the_ops_a_layer_can_launch_are_compiled(vllm_cpu, plugin_on, monke
     vllm_cpu.finish_weights(attn, seed=5)
     H.mla_layer(attn)[1].bind_kv_cache(H.new_kv_cache(seed=10))
     ops = []
-    original = tb._launch
-    monkeypatch.setattr(tb, "_launch", lambda p, op, *a, **k: (ops.append((op, tb.LAUNCH_CONFIG_OVERRIDE)),
-                                                                original(p, op, *a, **k))[1])  # fmt: skip
+    original = tb.BoundLaunch.__call__
+    monkeypatch.setattr(tb.BoundLaunch, "__call__", lambda launch, *a: (ops.append((launch.op, tb.LAUNCH_CONFIG_OVERRIDE)),
+                                                                         original(launch, *a))[1])  # fmt: skip
     _profile_step(vllm_cpu, attn, 24, seed=3)
     assert {op for op, forced in ops if forced is not None} == {tb.OP_ROPE_CACHE.value}

@@ -22,11 +22,12 @@ Three layers, so that everything but the kernel launch runs on a CPU in CI:
 
 Op 1 (``mla_rope_cache_write``) rotates ``q_pe``/``k_pe`` in place; the HIP
 op never writes them, so op 1 never runs here (``applies(False, ...)`` is
-False and ``rope_cache_write`` hands the call to Triton).
+False and ``bind`` hands ops 1 and 3 to the Triton kernel).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import logging
@@ -40,6 +41,7 @@ from pathlib import Path
 import torch
 
 from .. import fp8
+from ..binding import OP_DECODE
 from ..validation import Problem
 
 __all__ = [
@@ -658,47 +660,59 @@ def _log_fallback(reason: str) -> None:
     logger.debug("AITER declined a decode call, using the Triton kernel: %s", reason)
 
 
-def _triton():
+class BoundDecode:
+    """Op 2 bound to one validated layout on a ROCm GPU: AITER's HIP op where it computes this
+    project's semantics, the Triton kernel (bound alongside) where it does not.
+
+    Fixed here: AITER's op, the chip, the fp8 switch, the Triton fallback. Per call, on the host
+    only (no device work, safe under graph capture): the decline check for the call's token count
+    and pointers (``call_decline_reason``: the token count selects AITER's kernel, and its vector
+    loads need aligned rows), then the argument mapping. The slot guard (``guard_slots``) stays a
+    per-call elementwise pass: AITER's kernels do not bound slots, the host cannot see slot values
+    without a sync, and vLLM rewrites its slot mapping in place between steps, so no earlier
+    result can stand in for it.
+    """
+
+    def __init__(self, p: Problem, is_neox: bool, is_nope_first: bool, fallback, device: torch.device) -> None:
+        import aiter
+
+        self.p, self.is_neox, self.is_nope_first, self.fallback = p, is_neox, is_nope_first, fallback
+        self.aiter_op = getattr(aiter, AITER_OP)
+        self.arch = _arch_of(device)
+        self.allow_fp8 = _env_flag(ENV_FP8)
+        self.device_index = device.index
+
+    def __call__(self, T, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale,
+                 ql_nope, q_out, q_scale) -> None:  # fmt: skip
+        p = dataclasses.replace(self.p, num_tokens=T)
+        reason = call_decline_reason(
+            p, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, fp8.typed_view(kv_cache, p.cache_dtype), q_out,
+            self.is_nope_first, arch=self.arch, allow_fp8=self.allow_fp8,
+        )  # fmt: skip
+        if reason:
+            _log_fallback(reason)
+            self.fallback(T, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale,
+                          ql_nope, q_out, q_scale)  # fmt: skip
+            return
+        args = prepare_decode_args(
+            p, positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, self.is_neox, slot_mapping, kv_cache, q_out,
+            kv_cache_scale, q_scale, self.is_nope_first,
+        )  # fmt: skip
+        # AITER launches on the current device's current stream (its pybind path sets the stream from
+        # torch.cuda.current_device()), so a tensor on another GPU would be launched with a foreign stream.
+        if self.device_index is not None and self.device_index != torch.cuda.current_device():
+            with torch.cuda.device(self.device_index):
+                self.aiter_op(*args.as_tuple())
+        else:
+            self.aiter_op(*args.as_tuple())
+
+
+def bind(p: Problem, op: int, is_neox: bool, is_nope_first: bool, *tensors):
+    """AITER for op 2 (``BoundDecode``); ops 1 and 3, which AITER's fused op does not compute
+    (it leaves q_pe and k_pe unrotated and builds no key), are the Triton kernel's."""
     from . import triton as triton_backend
 
-    return triton_backend
-
-
-def rope_cache_write(
-    p: Problem, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_scale
-) -> None:
-    """Op 1 is never AITER's (it rotates q_pe/k_pe in place); Triton runs it."""
-    _triton().rope_cache_write(
-        p, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_scale
-    )
-
-
-def decode_rope_cache_write(p: Problem, positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping,
-                            kv_cache, q_out, kv_cache_scale, q_scale, is_nope_first) -> None:  # fmt: skip
-    """Op 2 through AITER's HIP kernel, or through Triton when the tensors rule AITER out."""
-    device = q_pe.device
-    reason = call_decline_reason(
-        p, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, fp8.typed_view(kv_cache, p.cache_dtype), q_out, is_nope_first,
-        arch=_arch_of(device), allow_fp8=_env_flag(ENV_FP8),
-    )  # fmt: skip
-    if reason:
-        _log_fallback(reason)
-        _triton().decode_rope_cache_write(
-            p, positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, q_out,
-            kv_cache_scale, q_scale, is_nope_first,
-        )  # fmt: skip
-        return
-    args = prepare_decode_args(
-        p, positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, q_out,
-        kv_cache_scale, q_scale, is_nope_first,
-    )  # fmt: skip
-    import aiter
-
-    op = getattr(aiter, AITER_OP)
-    # AITER launches on the current device's current stream (its pybind path sets the stream from
-    # torch.cuda.current_device()), so a tensor on another GPU would be launched with a foreign stream.
-    if device.index is not None and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device):
-            op(*args.as_tuple())
-    else:
-        op(*args.as_tuple())
+    fallback = triton_backend.bind(p, op, is_neox, is_nope_first, *tensors)
+    if op != OP_DECODE:
+        return fallback
+    return BoundDecode(p, is_neox, is_nope_first, fallback, tensors[1].device)

@@ -7,9 +7,12 @@ GPU, so this backend is not meant for CUDA-graph capture (use ``triton``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .. import fp8
+from ..binding import OP_DECODE, OP_ROPE_CACHE
 from ..validation import Problem
 
 
@@ -84,3 +87,22 @@ def prefill_rope_cache_write(p: Problem, positions, q_pe, k_pe, kv_c, k_nope, co
     k_out.copy_(fp8.round_for_store(key, k_out.dtype, None))
     q_pe.copy_(q_rot.to(q_pe.dtype))
     k_pe.copy_(k_rot.to(k_pe.dtype).view(k_pe.shape))
+
+
+def bind(p: Problem, op: int, is_neox: bool, is_nope_first: bool, *_layout_tensors):
+    """The reference for one validated layout (binding.py): nothing to precompute but the op."""
+
+    def site(T, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale, nope, out,
+             out_scale) -> None:  # fmt: skip
+        call = dataclasses.replace(p, num_tokens=T)
+        if op == OP_ROPE_CACHE:
+            rope_cache_write(call, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache,
+                             kv_cache_scale)  # fmt: skip
+        elif op == OP_DECODE:
+            decode_rope_cache_write(call, positions, nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping,
+                                    kv_cache, out, kv_cache_scale, out_scale, is_nope_first)  # fmt: skip
+        else:
+            prefill_rope_cache_write(call, positions, q_pe, k_pe, kv_c, nope, cos_sin_cache, is_neox, slot_mapping,
+                                     kv_cache, out, kv_cache_scale)  # fmt: skip
+
+    return site

@@ -35,7 +35,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton import knobs as _triton_knobs
 from triton.runtime import driver as _triton_driver
 
 from .. import fp8
@@ -464,96 +463,6 @@ def _pdl_ok(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-@functools.lru_cache(maxsize=None)
-def _direct_launch_ok(device: torch.device) -> bool:
-    """Whether launches on ``device`` may skip Triton's per-call binding (_DirectLauncher).
-
-    NVIDIA only: Triton's AMD backend specializes pointers on their allocation's size too
-    (buffer ops), which the launcher's key does not track. ``VLLM_MLA_FUSION_DIRECT_LAUNCH=0``
-    turns it off.
-    """
-    if device.type != "cuda" or torch.version.hip is not None:
-        return False
-    return os.environ.get("VLLM_MLA_FUSION_DIRECT_LAUNCH", "1").strip() not in ("0", "false", "off")
-
-
-class _DirectLauncher:
-    """Launches a JIT kernel's compiled binary without Triton's per-call argument binding.
-
-    Outside CUDA graphs the plugin launches once per layer and step, and for this kernel's
-    62 parameters Triton's ``kernel[grid](...)`` (binding, specialization, cache key) cost
-    several times a trivial kernel's launch on the H200's host (docs/performance.md, "Host
-    cost per call"). The first call of each specialization goes through Triton, which
-    compiles or finds the binary; later calls with the same key call the binary's launcher
-    with the arguments in signature order, as Triton's own ``run`` does.
-
-    The key is at least as fine as Triton's NVIDIA specialization: each pointer's dtype and
-    16-byte alignment; every integer's exact value, except the three parameters Triton does
-    not specialize (``do_not_specialize``), which only keep their 32/64-bit class; every
-    constexpr; the launch options; the device. Launch hooks (profilers such as proton) take
-    Triton's path, which calls them. Triton's process-wide compile knobs (``TRITON_DEBUG``,
-    instrumentation) are assumed not to change once the process has launched the kernel.
-    """
-
-    MAX_ENTRIES = 1024
-
-    def __init__(self, fn, num_pointers: int):
-        self.fn = fn
-        self.kernels: dict = {}
-        # Triton's interpreter has no compiled binaries (and no KernelParam list).
-        params = getattr(fn, "params", None) or []
-        constexpr = [p.is_constexpr for p in params]
-        self.num_runtime = constexpr.index(True) if True in constexpr else len(params)
-        self.num_pointers = num_pointers
-        # Runtime parameters first, constexprs last: the order _launch and the binary's
-        # launcher take them in. Any other layout keeps Triton's path.
-        self.usable = bool(params) and all(constexpr[self.num_runtime:])
-        self.constexpr_names = [p.name for p in params[self.num_runtime:]]
-        self.int_exact = [not p.do_not_specialize for p in params[num_pointers : self.num_runtime]]
-
-    def _key(self, runtime: tuple, constexprs: list, options: tuple, device_index: int) -> tuple:
-        ptrs = tuple((t.dtype, t.data_ptr() % 16 == 0) for t in runtime[: self.num_pointers])
-        # Unspecialized integers: their 32/64-bit class, and whether they are 1 (finer than Triton).
-        ints = tuple(v if exact else (-(2**31) <= v < 2**31, v == 1)
-                     for v, exact in zip(runtime[self.num_pointers:], self.int_exact))  # fmt: skip
-        return ptrs, ints, tuple(constexprs), options, device_index
-
-    def __call__(self, grid: int, runtime: tuple, constexprs: dict, num_warps: int, pdl: bool,
-                 device_index: int | None, values: tuple | None = None) -> None:  # fmt: skip
-        """``values``: ``constexprs`` in signature order, when the caller has them already."""
-        key = None
-        if self.usable and device_index is not None and _hooks_unset():
-            if values is None:
-                values = tuple(constexprs[name] for name in self.constexpr_names)
-            key = self._key(runtime, values, (num_warps, pdl), device_index)
-            kernel = self.kernels.get(key)
-            if kernel is not None:
-                stream = _triton_driver.active.get_current_stream(device_index)
-                kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
-                           *runtime, *values)  # fmt: skip
-                return
-        kernel = self.fn[(grid,)](*runtime, **constexprs, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
-        if key is not None and kernel is not None:
-            if len(self.kernels) >= self.MAX_ENTRIES:
-                self.kernels.clear()
-            self.kernels[key] = kernel
-
-
-# The kernel's first 11 parameters are pointers (see _launch).
-_launcher = _DirectLauncher(_mla_rope_cache_kernel, num_pointers=11)
-# Its constexprs in signature order (the order the direct launcher hands them over in), read
-# from the Python source so that Triton's interpreter, which keeps no parameter list, agrees.
-_CONSTEXPR_NAMES = tuple(name for name, prm in inspect.signature(_mla_rope_cache_kernel.fn).parameters.items()
-                         if "constexpr" in str(prm.annotation))  # fmt: skip
-
-
-def _hooks_unset() -> bool:
-    """No launch hook is installed: None (Triton 3.6) or an empty HookChain (Triton 3.8)."""
-    runtime = _triton_knobs.runtime
-    hooks = (runtime.launch_enter_hook, runtime.launch_exit_hook)
-    return all(h is None or (type(h).__name__ == "HookChain" and not h.calls) for h in hooks)
-
-
 # Set by benchmarks/tune_launch.py to time other launch configurations, and by
 # forced_launch_config while kernels are compiled ahead of use; None in normal use.
 LAUNCH_CONFIG_OVERRIDE: dict | None = None
@@ -630,110 +539,183 @@ def _launch_config_for(p: Problem, op: int, sms: int, pdl: bool) -> dict:
                 num_warps=4, USE_PDL=pdl)  # fmt: skip
 
 
-@dataclasses.dataclass(frozen=True)
+# The kernel's constexprs in signature order: a compiled kernel's launcher takes every argument,
+# constexprs included, in that order. Read from the Python source so that Triton's interpreter,
+# which keeps no parameter list, agrees.
+_CONSTEXPR_NAMES = tuple(name for name, prm in inspect.signature(_mla_rope_cache_kernel.fn).parameters.items()
+                         if "constexpr" in str(prm.annotation))  # fmt: skip
+# The data pointers Triton specializes on 16-byte alignment (every pointer but the index tensors').
+_ALIGNMENT_MASK = 15
+
+
+@dataclasses.dataclass
 class _Plan:
-    """Everything of a launch that follows from the call's sizes, dtypes and flags alone."""
+    """One token count's launch: grid, block sizes, and the compiled kernel's launcher once known."""
 
     grid: int
     n_cache: int
     num_warps: int
-    pdl: bool
-    cache_view: str  # _store_mode's view of kv_cache and of the output
-    out_view: str
     constexprs: dict  # by name, for Triton's own launch path
-    values: tuple  # the same in the kernel's signature order, for the direct launcher
+    values: tuple  # the same in signature order, for the compiled kernel's launcher
+    runner: object = None  # CompiledKernel[grid]: set after the first launch of this configuration
 
 
-def _plan(p: Problem, op: int, nope_width: int, is_neox: bool, is_nope_first: bool, has_cache_scale: bool,
-          out_dtype: torch.dtype | None, has_out_scale: bool, device: torch.device) -> _Plan:  # fmt: skip
-    """The launch plan: cached per distinct call, built afresh while a launch configuration is
-    forced (``out_dtype`` None: op 1, which has no output of its own)."""
-    make = _make_plan if LAUNCH_CONFIG_OVERRIDE is None else _make_plan.__wrapped__
-    return make(p, op, nope_width, is_neox, is_nope_first, has_cache_scale, out_dtype, has_out_scale, device)
+class BoundLaunch:
+    """The kernel for one op, bound to one validated layout on one device (binding.py's Site).
+
+    Fixed here: the op's constexprs (sizes, rotation style, store modes of the cache and the
+    output, from their element types), every stride, the rope table's and the cache block's
+    sizes. Per call: the token count picks a plan (grid and block sizes, cached per count),
+    and the compiled kernel of the plan's configuration is launched through its own launcher
+    (``CompiledKernel[grid]``, Triton's public launch of a compiled kernel, which also calls
+    any launch hooks a profiler installed) with integer addresses: no argument binding, no
+    specialization key, no views.
+
+    The first launch of each configuration goes through Triton's ``kernel[grid](...)``, which
+    compiles the variant (or finds it in its caches) for exactly these tensors and returns it.
+    A later call reuses it only when everything Triton specialized on is the same: dtypes,
+    strides and sizes are (the layout is bound), the token count, slot count and program count
+    are never specialized (``do_not_specialize``) and stay 32-bit, and every data pointer is
+    16-byte aligned as in the first launch (checked per call; a misaligned one takes Triton's
+    path, which picks the variant for it). Under Triton's interpreter (CPU tests) every call
+    takes Triton's path.
+    """
+
+    MAX_PLANS = 1 << 16  # distinct token counts kept (vLLM's steps have at most max_num_batched_tokens)
+
+    def __init__(self, p: Problem, op: int, is_neox: bool, is_nope_first: bool, positions, q_pe, k_pe, kv_c,
+                 cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale, nope, out, out_scale) -> None:  # fmt: skip
+        device = q_pe.device
+        self.p, self.op, self.device = p, op, device
+        self.out_dtype = out.dtype if out is not None else None
+        self.cache_view, cmeta = _store_mode(p.cache_dtype, kv_cache_scale is not None, device)
+        # Op 1 has no output of its own: its output slots take q_pe, stored plainly.
+        self.out_view, ometa = _store_mode(self.out_dtype, out_scale is not None, device)
+        self.base_constexprs = dict(
+            H=p.num_heads, L=p.kv_lora_rank, R=p.rope_dim, NOPE=nope.shape[-1] if out is not None else 1,
+            IS_NEOX=is_neox, OP=op, NOPE_FIRST=is_nope_first,
+            CACHE_MODE=cmeta["MODE"], CACHE_HAS_SCALE=cmeta["HAS_SCALE"], CACHE_FP8_MAX=cmeta["FP8_MAX"],
+            CACHE_BIAS=cmeta["BIAS"], CACHE_MAN=cmeta["MAN"], CACHE_SIGNED_ZERO=cmeta["SIGNED_ZERO"],
+            CACHE_NAN=cmeta["NAN"],
+            OUT_MODE=ometa["MODE"], OUT_HAS_SCALE=ometa["HAS_SCALE"], OUT_FP8_MAX=ometa["FP8_MAX"],
+            OUT_BIAS=ometa["BIAS"], OUT_MAN=ometa["MAN"], OUT_SIGNED_ZERO=ometa["SIGNED_ZERO"],
+            OUT_NAN=ometa["NAN"], BLOCK_R2=_pow2(p.rope_dim // 2),
+        )  # fmt: skip
+        k_pe2, kv_c2 = _rows_2d(k_pe), _rows_2d(kv_c)
+        n_strides = nope.stride() if out is not None else (0, 0, 0)
+        o_strides = out.stride() if out is not None else (0, 0, 0)
+        self.strides = (cos_sin_cache.stride(0), cos_sin_cache.stride(1), *q_pe.stride(), *k_pe2.stride(),
+                        *kv_c2.stride(), *kv_cache.stride(), *n_strides, *o_strides)  # fmt: skip
+        self.sizes = (cos_sin_cache.shape[0], kv_cache.shape[1])  # max_pos, block_size
+        self.num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+        # The kernel reads the index tensors at unit stride (vLLM's are contiguous); another
+        # stride costs a copy of the T entries used, never a wrong read.
+        self.copy_index = positions.stride(0) != 1 or slot_mapping.stride(0) != 1
+        self.sms, self.pdl = _num_sms(device), _pdl_ok(device)
+        # Compiled kernels are launched directly on NVIDIA GPUs. Not under Triton's interpreter
+        # (CPU tensors), which has none, nor on ROCm: Triton's AMD backend also specializes a
+        # pointer on its allocation's size (buffer loads), which the reuse rule here does not
+        # track, so every launch there takes Triton's own path.
+        self.compiled = device.type == "cuda" and torch.version.hip is None
+        self.device_index = device.index if self.compiled else None
+        self.kernels: dict[tuple, object] = {}  # constexpr values -> compiled kernel
+        self.plans: dict[int, _Plan] = {}
+        if self.compiled:
+            # Triton's driver functions, looked up once (the driver object is a lazy proxy).
+            self._current_stream = _triton_driver.active.get_current_stream
+            self._current_device = _triton_driver.active.get_current_device
+
+    def plan(self, T: int) -> _Plan:
+        """The launch for ``T`` tokens (cached per token count unless a configuration is forced)."""
+        plan = self.plans.get(T)
+        if plan is not None and LAUNCH_CONFIG_OVERRIDE is None:
+            return plan
+        cfg = _launch_config(dataclasses.replace(self.p, num_tokens=T), self.op, self.device)
+        constexprs = dict(self.base_constexprs, BLOCK_T=cfg["BLOCK_T"], BLOCK_ROWS=cfg["BLOCK_ROWS"],
+                          BLOCK_L=cfg["BLOCK_L"], BLOCK_N=cfg["BLOCK_N"], BLOCK_H=cfg["BLOCK_H"],
+                          USE_PDL=cfg["USE_PDL"])  # fmt: skip
+        values = tuple(constexprs[name] for name in _CONSTEXPR_NAMES)
+        n_cache = _cdiv(T, cfg["BLOCK_T"])
+        plan = _Plan(n_cache + _cdiv(T * self.p.num_heads, cfg["BLOCK_ROWS"]), n_cache, cfg["num_warps"],
+                     constexprs, values)  # fmt: skip
+        kernel = self.kernels.get(values)
+        if kernel is not None:
+            plan.runner = kernel[(plan.grid, 1, 1)]
+        if LAUNCH_CONFIG_OVERRIDE is None:
+            if len(self.plans) >= self.MAX_PLANS:
+                self.plans.clear()
+            self.plans[T] = plan
+        return plan
+
+    def __call__(self, T: int, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale,
+                 nope, out, out_scale) -> None:  # fmt: skip
+        plan = self.plan(T)
+        if self.copy_index:
+            positions, slot_mapping = positions[:T].contiguous(), slot_mapping[:T].contiguous()
+        num_slots = kv_cache.shape[0] * self.sizes[1]
+        if plan.runner is not None and num_slots < 2**31:
+            cs = cos_sin_cache.data_ptr()
+            data = (cs, q_pe.data_ptr(), k_pe.data_ptr(), kv_c.data_ptr(), kv_cache.data_ptr(),
+                    cs if kv_cache_scale is None else kv_cache_scale.data_ptr(),
+                    q_pe.data_ptr() if out is None else nope.data_ptr(),
+                    q_pe.data_ptr() if out is None else out.data_ptr(),
+                    cs if out_scale is None else out_scale.data_ptr())  # fmt: skip
+            cs_, q, k, c, cache, cache_scale, nope_p, out_p, out_scale_p = data
+            if not (cs_ | q | k | c | cache | cache_scale | nope_p | out_p | out_scale_p) & _ALIGNMENT_MASK:
+                device = self.device_index
+                if self._current_device() != device:
+                    # Launch on the tensors' GPU, not the current one ("an illegal memory access").
+                    with torch.cuda.device(device):
+                        self._launch(plan, T, num_slots, positions, slot_mapping, data)
+                else:
+                    self._launch(plan, T, num_slots, positions, slot_mapping, data)
+                return
+        self._launch_through_triton(plan, T, num_slots, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping,
+                                    kv_cache, kv_cache_scale, nope, out, out_scale)  # fmt: skip
+
+    def _launch(self, plan: _Plan, T: int, num_slots: int, positions, slot_mapping, data: tuple) -> None:
+        cs, q, k, c, cache, cache_scale, nope, out, out_scale = data
+        plan.runner(positions.data_ptr(), slot_mapping.data_ptr(), cs, q, k, c, cache, cache_scale, nope, out,
+                    out_scale, T, self.sizes[0], self.sizes[1], num_slots, plan.n_cache, *self.strides,
+                    *plan.values, stream=self._current_stream(self.device_index))  # fmt: skip
+
+    def _launch_through_triton(self, plan: _Plan, T: int, num_slots: int, positions, q_pe, k_pe, kv_c, cos_sin_cache,
+                               slot_mapping, kv_cache, kv_cache_scale, nope, out, out_scale) -> None:  # fmt: skip
+        """Triton's own launch: binds and specializes the arguments, compiles or finds the variant."""
+        cache = _store_view(kv_cache, self.p.cache_dtype, self.cache_view)
+        if out is not None:
+            out = _store_view(out, self.out_dtype, self.out_view)
+        else:
+            out = nope = q_pe  # op 1: any tensors of the right kind fill the slots
+        dummy = cos_sin_cache  # scale pointers must be valid tensors even when unused
+        gpu = self.device_index
+        on_other_gpu = gpu is not None and gpu != self._current_device()
+        with torch.cuda.device(gpu) if on_other_gpu else contextlib.nullcontext():
+            kernel = _mla_rope_cache_kernel[(plan.grid,)](
+                positions, slot_mapping, cos_sin_cache, q_pe, _rows_2d(k_pe), _rows_2d(kv_c), cache,
+                kv_cache_scale if kv_cache_scale is not None else dummy, nope, out,
+                out_scale if out_scale is not None else dummy,
+                T, self.sizes[0], self.sizes[1], num_slots, plan.n_cache, *self.strides,
+                **plan.constexprs, num_warps=plan.num_warps, **({"launch_pdl": True} if self.pdl else {}),
+            )  # fmt: skip
+        aligned = all(t.data_ptr() % 16 == 0 for t in (cos_sin_cache, q_pe, k_pe, kv_c, kv_cache, nope, out)
+                      if t is not None) and all(s is None or s.data_ptr() % 16 == 0
+                                                for s in (kv_cache_scale, out_scale))  # fmt: skip
+        # Keep the variant for direct launches only when it is the one the fast path checks for:
+        # every data pointer aligned, 32-bit counts. Forced configurations are kept too
+        # (prewarm.py compiles exactly the configurations the layer will use).
+        if self.compiled and kernel is not None and aligned and num_slots < 2**31:
+            self.kernels[plan.values] = kernel
+            plan.runner = kernel[(plan.grid, 1, 1)]
 
 
-@functools.lru_cache(maxsize=4096)
-def _make_plan(p: Problem, op: int, nope_width: int, is_neox: bool, is_nope_first: bool, has_cache_scale: bool,
-               out_dtype: torch.dtype | None, has_out_scale: bool, device: torch.device) -> _Plan:  # fmt: skip
-    T, H = p.num_tokens, p.num_heads
-    cfg = _launch_config(p, op, device)
-    cache_view, cmeta = _store_mode(p.cache_dtype, has_cache_scale, device)
-    out_view, ometa = _store_mode(out_dtype, has_out_scale, device)  # op 1: plain (its slots take q_pe)
-    constexprs = dict(
-        H=H, L=p.kv_lora_rank, R=p.rope_dim, NOPE=nope_width, IS_NEOX=is_neox, OP=op, NOPE_FIRST=is_nope_first,
-        CACHE_MODE=cmeta["MODE"], CACHE_HAS_SCALE=cmeta["HAS_SCALE"], CACHE_FP8_MAX=cmeta["FP8_MAX"],
-        CACHE_BIAS=cmeta["BIAS"], CACHE_MAN=cmeta["MAN"], CACHE_SIGNED_ZERO=cmeta["SIGNED_ZERO"],
-        CACHE_NAN=cmeta["NAN"],
-        OUT_MODE=ometa["MODE"], OUT_HAS_SCALE=ometa["HAS_SCALE"], OUT_FP8_MAX=ometa["FP8_MAX"],
-        OUT_BIAS=ometa["BIAS"], OUT_MAN=ometa["MAN"], OUT_SIGNED_ZERO=ometa["SIGNED_ZERO"],
-        OUT_NAN=ometa["NAN"],
-        BLOCK_T=cfg["BLOCK_T"], BLOCK_ROWS=cfg["BLOCK_ROWS"], BLOCK_L=cfg["BLOCK_L"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_H=cfg["BLOCK_H"], BLOCK_R2=_pow2(p.rope_dim // 2), USE_PDL=cfg["USE_PDL"],
-    )  # fmt: skip
-    n_cache = _cdiv(T, cfg["BLOCK_T"])
-    return _Plan(
-        grid=n_cache + _cdiv(T * H, cfg["BLOCK_ROWS"]), n_cache=n_cache, num_warps=cfg["num_warps"],
-        pdl=cfg["USE_PDL"], cache_view=cache_view, out_view=out_view, constexprs=constexprs,
-        values=tuple(constexprs[name] for name in _CONSTEXPR_NAMES),
-    )  # fmt: skip
+def _rows_2d(t: torch.Tensor) -> torch.Tensor:
+    """``[T, 1, X]`` -> ``[T, X]`` (a view keeping the row stride); 2-D tensors as they are."""
+    return t.select(1, 0) if t.dim() == 3 else t
 
 
-def _launch(p: Problem, op: int, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache,
-            kv_cache_scale, nope=None, out=None, out_dtype=None, out_scale=None, is_nope_first=True) -> None:  # fmt: skip
-    """One launch of the kernel for op ``op``: ``nope``/``out`` are (ql_nope, q_out) for op 2,
-    (k_nope, k_out) for op 3, unused for op 1."""
-    T = p.num_tokens
-    k_pe2 = k_pe.select(1, 0) if k_pe.dim() == 3 else k_pe  # [T, 1, R] -> [T, R], a view
-    kv_c2 = kv_c.select(1, 0) if kv_c.dim() == 3 else kv_c
-    # The kernel reads the index tensors at unit stride (vLLM's are contiguous); another
-    # stride costs a copy of the T entries used, never a wrong read.
-    positions, slot_mapping = (x if x.stride(0) == 1 else x[:T].contiguous() for x in (positions, slot_mapping))
-    device = q_pe.device
-    plan = _plan(p, op, nope.shape[-1] if out is not None else 1, is_neox, is_nope_first, kv_cache_scale is not None,
-                 out_dtype, out_scale is not None, device)  # fmt: skip
-    cache = _store_view(kv_cache, p.cache_dtype, plan.cache_view)
-    if out is not None:
-        out = _store_view(out, out_dtype, plan.out_view)
-        n_strides, o_strides = nope.stride(), out.stride()
-    else:
-        # Op 1 has no nope input or output; any tensors of the right kind fill the slots.
-        out = nope = q_pe
-        n_strides = o_strides = (0, 0, 0)
-    # Scale pointers must be valid tensors even when unused; any float32 tensor does.
-    dummy = cos_sin_cache
-    runtime = (
-        positions, slot_mapping, cos_sin_cache, q_pe, k_pe2, kv_c2, cache,
-        kv_cache_scale if kv_cache_scale is not None else dummy,
-        nope, out, out_scale if out_scale is not None else dummy,
-        T, cos_sin_cache.shape[0], kv_cache.shape[1], kv_cache.shape[0] * kv_cache.shape[1], plan.n_cache,
-        cos_sin_cache.stride(0), cos_sin_cache.stride(1),
-        *q_pe.stride(), *k_pe2.stride(), *kv_c2.stride(), *kv_cache.stride(),
-        *n_strides, *o_strides,
-    )  # fmt: skip
-    gpu = q_pe.get_device() if q_pe.is_cuda else None
-    # The launch must happen on the tensors' device, not the current one (a multi-GPU
-    # process would otherwise launch on the wrong GPU: "an illegal memory access").
-    on_other_gpu = gpu is not None and gpu != torch.cuda.current_device()
-    with torch.cuda.device(gpu) if on_other_gpu else contextlib.nullcontext():
-        _launcher(plan.grid, runtime, plan.constexprs, plan.num_warps, plan.pdl,
-                  gpu if gpu is not None and _direct_launch_ok(device) else None, plan.values)  # fmt: skip
-
-
-def rope_cache_write(
-    p: Problem, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_scale
-) -> None:
-    _launch(p, OP_ROPE_CACHE.value, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache,
-            kv_cache_scale)  # fmt: skip
-
-
-def decode_rope_cache_write(p: Problem, positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping,
-                            kv_cache, q_out, kv_cache_scale, q_scale, is_nope_first) -> None:  # fmt: skip
-    _launch(p, OP_DECODE.value, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache,
-            kv_cache_scale, nope=ql_nope, out=q_out, out_dtype=q_out.dtype, out_scale=q_scale,
-            is_nope_first=is_nope_first)  # fmt: skip
-
-
-def prefill_rope_cache_write(p: Problem, positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping,
-                             kv_cache, k_out, kv_cache_scale) -> None:  # fmt: skip
-    _launch(p, OP_PREFILL.value, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache,
-            kv_cache_scale, nope=k_nope, out=k_out, out_dtype=k_out.dtype)  # fmt: skip
+def bind(p: Problem, op: int, is_neox: bool, is_nope_first: bool, positions, q_pe, k_pe, kv_c, cos_sin_cache,
+         slot_mapping, kv_cache, kv_cache_scale, nope, out, out_scale) -> BoundLaunch:  # fmt: skip
+    """The backend's binding for one validated layout (binding.py)."""
+    return BoundLaunch(p, op, is_neox, is_nope_first, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping,
+                       kv_cache, kv_cache_scale, nope, out, out_scale)  # fmt: skip

@@ -57,7 +57,6 @@ ENVIRONMENT_VARIABLES = (
     "VLLM_MLA_FUSION_BACKEND",
     "VLLM_MLA_FUSION_DEBUG",
     "VLLM_MLA_FUSION_PDL",
-    "VLLM_MLA_FUSION_DIRECT_LAUNCH",
     "VLLM_MLA_FUSION_AITER_FP8",
 )
 # Read only by the checkout's scripts and benchmark: where something lives, not what is computed.

@@ -26,7 +26,8 @@ from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfe
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import LayerNameType, _resolve_layer_name, direct_register_custom_op
 
-from ..ops import eager
+from .. import dispatch, validation
+from ..binding import OP_ROPE_CACHE, BoundOp
 
 NAMESPACE = "mla_fusion_vllm"
 ATTENTION_OP = f"{NAMESPACE}::mla_attention_with_output"
@@ -55,6 +56,21 @@ def write_target(
     return scratch, slots, "auto"
 
 
+# (kv_cache_dtype, is_neox) -> op 1 bound for rope_cache-mode layers (MLAAttention instances of
+# vLLM's own, so the ops live here rather than on the layer); backend and debug mode are read
+# once, when a combination is first used.
+_ROPE_CACHE_OPS: dict[tuple, BoundOp] = {}
+
+
+def _rope_cache_op(kv_cache_dtype: str, is_neox: bool) -> BoundOp:
+    bound = _ROPE_CACHE_OPS.get((kv_cache_dtype, is_neox))
+    if bound is None:
+        bound = BoundOp(OP_ROPE_CACHE, is_neox=is_neox, kv_cache_dtype=kv_cache_dtype,
+                        backend=dispatch.requested_backend(), debug=validation.debug_enabled())  # fmt: skip
+        _ROPE_CACHE_OPS[(kv_cache_dtype, is_neox)] = bound
+    return bound
+
+
 def rope_kv_cache_update(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -78,9 +94,7 @@ def rope_kv_cache_update(
     cache, slots, cache_dtype = write_target(
         kv_cache, slot_mapping, kv_cache_dtype, q.shape[0], kv_c_normed.shape[-1] + rope_dim, kv_c_normed
     )
-    # The op's body without the dispatcher: this op is opaque already (the body runs eagerly).
-    eager.mla_rope_cache_write(positions, q_pe, k_pe, kv_c_normed, cos_sin_cache, is_neox, slots, cache, cache_dtype,
-                               k_scale)
+    _rope_cache_op(cache_dtype, is_neox)(positions, q_pe, k_pe, kv_c_normed, cos_sin_cache, slots, cache, k_scale)
     return torch.empty(0, device=kv_c_normed.device, dtype=kv_c_normed.dtype)
 
 

@@ -1,0 +1,169 @@
+"""binding.BoundOp: validate a layout once, then only check that a call has that layout.
+
+The reuse rule is what lets the plugin skip validation per step; these tests check that it
+never lets a call through that validation would refuse, that bad input still fails before
+anything is written, and that results stay the reference's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_mla_fusion import binding, validation
+from vllm_mla_fusion.binding import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE, BoundOp
+
+from .conftest import OP_BACKENDS
+from .mla_cases import make_case
+from .mla_reference import check_decode_rope_cache_write, check_prefill_rope_cache_write, check_rope_cache_write
+
+
+def _rope_args(c):
+    return (c.positions, c.q_pe, c.k_pe, c.kv_c, c.cos_sin_cache, c.slot_mapping, c.kv_cache, c.kv_cache_scale)
+
+
+def _decode_args(c):
+    return (*_rope_args(c), c.ql_nope, c.q_out, c.q_scale)
+
+
+def _prefill_args(c):
+    return (*_rope_args(c), c.k_nope, c.k_out, None)
+
+
+@pytest.fixture
+def validations(monkeypatch):
+    """Counts full validations per op."""
+    counts = {OP_ROPE_CACHE: 0, OP_DECODE: 0, OP_PREFILL: 0}
+    for op, name in ((OP_ROPE_CACHE, "check_rope_cache_write"), (OP_DECODE, "check_decode_rope_cache_write"),
+                     (OP_PREFILL, "check_prefill_rope_cache_write")):  # fmt: skip
+        original = getattr(validation, name)
+
+        def counted(*a, _o=original, _op=op):
+            counts[_op] += 1
+            return _o(*a)
+
+        monkeypatch.setattr(validation, name, counted)
+    return counts
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+def test_one_validation_per_layout_across_token_counts_and_results_stay_exact(backend, validations):
+    bound = BoundOp(OP_ROPE_CACHE, is_neox=False, backend=backend)
+    for step, T in enumerate((5, 1, 9, 5)):
+        # Same layout every step (strides independent of T): fresh data, fresh addresses.
+        c = make_case(T=T, H=3, strided=False, seed=10 + step)
+        bound(*_rope_args(c))
+        check_rope_cache_write(c)
+    assert validations[OP_ROPE_CACHE] == 1
+    assert bound.backend_of(*_rope_args(c)) == backend
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@pytest.mark.parametrize("op", [OP_DECODE, OP_PREFILL])
+def test_decode_and_prefill_ops_reuse_their_layout(backend, op, validations):
+    bound = BoundOp(op, is_neox=True, backend=backend)
+    args, check = (_decode_args, check_decode_rope_cache_write) if op == OP_DECODE else \
+        (_prefill_args, check_prefill_rope_cache_write)  # fmt: skip
+    for step, T in enumerate((4, 7)):
+        c = make_case(T=T, H=2, is_neox=True, strided=False, decode=op == OP_DECODE, prefill=op == OP_PREFILL,
+                      seed=20 + step)  # fmt: skip
+        bound(*args(c))
+        check(c)
+    assert validations[op] == 1
+
+
+def test_a_new_layout_is_validated_again(validations):
+    bound = BoundOp(OP_ROPE_CACHE, is_neox=False, backend="torch")
+    bound(*_rope_args(make_case(T=4, H=2, strided=False, seed=1)))
+    bound(*_rope_args(make_case(T=4, H=2, strided=True, seed=2)))  # other strides
+    bound(*_rope_args(make_case(T=4, H=4, strided=False, seed=3)))  # other head count
+    bound(*_rope_args(make_case(T=4, H=2, strided=False, act_dtype=torch.float16, seed=4)))
+    assert validations[OP_ROPE_CACHE] == 4
+    bound(*_rope_args(make_case(T=6, H=2, strided=True, seed=5)))  # a layout seen before
+    assert validations[OP_ROPE_CACHE] == 4
+
+
+def _poisoned(c):
+    """Snapshots of everything the op may write, to check that a refused call wrote nothing."""
+    return [t.clone() for t in (c.q_pe, c.k_pe, c.kv_cache)]
+
+
+@pytest.mark.parametrize("bad", ["k_pe rows", "kv_c rows", "short positions", "short slot_mapping", "kv_c dtype",
+                                 "cache width", "scale dtype", "not a tensor", "k_pe heads"])  # fmt: skip
+def test_bad_input_after_a_good_call_still_fails_before_writing(bad):
+    bound = BoundOp(OP_ROPE_CACHE, is_neox=False, backend="torch", kv_cache_dtype="auto")
+    good = make_case(T=6, H=2, strided=False, seed=7)
+    bound(*_rope_args(good))
+    c = make_case(T=6, H=2, strided=False, seed=8)
+    args = list(_rope_args(c))
+    error, name = ValueError, None
+    if bad == "k_pe rows":
+        args[2], name = torch.cat((c.k_pe, c.k_pe[:1])), "k_pe"
+    elif bad == "kv_c rows":
+        args[3], name = c.kv_c[:5], "kv_c"
+    elif bad == "short positions":
+        args[0], name = c.positions[:5], "positions"
+    elif bad == "short slot_mapping":
+        args[5], name = c.slot_mapping[:5], "slot_mapping"
+    elif bad == "kv_c dtype":
+        args[3], error, name = c.kv_c.float(), TypeError, "kv_c"
+    elif bad == "cache width":
+        args[6], name = torch.zeros(*c.kv_cache.shape[:2], c.kv_cache.shape[2] + 2, dtype=c.kv_cache.dtype), "kv_cache"
+    elif bad == "scale dtype":
+        args[7], error, name = torch.ones(1, dtype=torch.float64), TypeError, "kv_cache_scale"
+    elif bad == "not a tensor":
+        args[1], error, name = c.q_pe.tolist(), TypeError, "q_pe"
+    else:
+        args[2], name = c.k_pe.unsqueeze(1).expand(-1, 2, -1), "k_pe"
+    before = _poisoned(c)
+    with pytest.raises(error, match=name):
+        bound(*args)
+    for t, snapshot in zip((c.q_pe, c.k_pe, c.kv_cache), before):
+        assert torch.equal(t.view(torch.uint8), snapshot.view(torch.uint8))
+
+
+def test_backend_and_debug_are_read_when_bound_not_per_call(monkeypatch):
+    """The plugin's per-step path reads no environment: a BoundOp keeps what it was given."""
+    monkeypatch.delenv("VLLM_MLA_FUSION_DEBUG", raising=False)
+    bound = BoundOp(OP_ROPE_CACHE, is_neox=False, backend="torch")
+    c = make_case(T=3, H=2, strided=False, seed=30)
+    bound(*_rope_args(c))
+    monkeypatch.setenv("VLLM_MLA_FUSION_BACKEND", "no-such-backend")
+    monkeypatch.setenv("VLLM_MLA_FUSION_DEBUG", "1")
+    c = make_case(T=3, H=2, strided=False, seed=31)
+    c.slot_mapping[0] = 10**6  # past the cache: only debug mode would raise
+    bound(*_rope_args(c))
+    check_rope_cache_write(c)
+    debug = BoundOp(OP_ROPE_CACHE, is_neox=False, backend="torch", debug=True)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        debug(*_rope_args(c))
+
+
+def test_layouts_kept_are_bounded(monkeypatch):
+    monkeypatch.setattr(BoundOp, "MAX_SITES", 3)
+    bound = BoundOp(OP_ROPE_CACHE, is_neox=False, backend="torch")
+    for H in range(1, 8):
+        bound(*_rope_args(make_case(T=2, H=H, strided=False, seed=H)))
+    assert 1 <= len(bound.sites) <= 3
+
+
+def test_zero_tokens_validates_and_launches_nothing(monkeypatch):
+    calls = []
+    real_load = binding.dispatch.load
+
+    def load(name):
+        module = real_load(name)
+
+        class Recorder:
+            @staticmethod
+            def bind(*a):
+                return lambda *args: calls.append(args)
+
+        return Recorder if module else module
+
+    monkeypatch.setattr(binding.dispatch, "load", load)
+    c = make_case(T=0, H=2, strided=False, seed=40)
+    BoundOp(OP_ROPE_CACHE, is_neox=False, backend="torch")(*_rope_args(c))
+    assert calls == []
+    with pytest.raises(ValueError, match="op"):
+        BoundOp(4, is_neox=False)

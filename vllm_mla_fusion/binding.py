@@ -1,0 +1,168 @@
+"""Bind once, launch thin: an op bound to everything about its calls that does not change per step.
+
+A fused op's arguments are of two kinds:
+
+- *static*: which op, the rotation style, the cache's format name, the query layout flag,
+  the backend asked for; and, once tensors are seen, every tensor's dtype, device, strides
+  and sizes past the token dimension (the *layout*). A vLLM layer fixes all of them when
+  it is built (the cache's layout at its first step);
+- *per step*: the token count ``T`` and the tensors' addresses.
+
+:class:`BoundOp` takes the static flags once. The first call with a layout validates it
+with the same checks as the public ops (validation.py: a bad call raises the same
+ValueError/TypeError before anything is written), resolves the backend for the tensors'
+device and lets the backend bind what follows from the layout (a :class:`Site`). A later
+call compares its layout with the ones already validated (one tuple of strides, sizes,
+dtypes and devices: a few microseconds), checks that its token dimensions agree, and
+calls the site, which only computes the grid for ``T`` and launches. A call whose layout
+differs in anything validation looks at is validated again: the reuse rule is "same
+layout, same validation result", never "same layer".
+
+The public ops (ops.py) and the vLLM plugin (one BoundOp per layer and op) share this
+path; the plugin never reads the environment or re-validates per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import torch
+
+from . import dispatch, validation
+
+OP_ROPE_CACHE, OP_DECODE, OP_PREFILL = 1, 2, 3
+OP_NAMES = {OP_ROPE_CACHE: "mla_rope_cache_write", OP_DECODE: "mla_decode_rope_cache_write",
+            OP_PREFILL: "mla_prefill_rope_cache_write"}  # fmt: skip
+
+
+class Site(Protocol):
+    """A backend's launch for one validated layout: ``site(T, ...)`` with every tensor of the call."""
+
+    def __call__(self, T: int, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache,
+                 kv_cache_scale, nope, out, out_scale) -> None: ...  # fmt: skip
+
+
+def _layout(positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale, nope, out,
+            out_scale) -> tuple:  # fmt: skip
+    """Everything validation and the backends' specialization read, except T and addresses.
+
+    Sizes past the token dimension, strides (their count is the rank), dtypes and devices of
+    each tensor; the scales' presence, dtype, size and device. ``positions``/``slot_mapping``
+    are read for their first T entries only, so only their rank, stride, dtype and device count.
+    """
+    key = (
+        q_pe.shape[1:], q_pe.stride(), q_pe.dtype, q_pe.device,
+        k_pe.shape[1:], k_pe.stride(), k_pe.dtype, k_pe.device,
+        kv_c.shape[1:], kv_c.stride(), kv_c.dtype, kv_c.device,
+        kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device,
+        cos_sin_cache.shape, cos_sin_cache.stride(), cos_sin_cache.dtype, cos_sin_cache.device,
+        positions.stride(), positions.dtype, positions.device,
+        slot_mapping.stride(), slot_mapping.dtype, slot_mapping.device,
+        None if kv_cache_scale is None else (kv_cache_scale.shape, kv_cache_scale.dtype, kv_cache_scale.device),
+    )  # fmt: skip
+    if out is None:
+        return key
+    return key + (
+        nope.shape[1:], nope.stride(), nope.dtype, nope.device,
+        out.shape[1:], out.stride(), out.dtype, out.device,
+        None if out_scale is None else (out_scale.shape, out_scale.dtype, out_scale.device),
+    )  # fmt: skip
+
+
+class BoundOp:
+    """One fused op with its static flags bound; call it with the step's tensors.
+
+    ``op``: OP_ROPE_CACHE, OP_DECODE (``nope``/``out``/``out_scale`` are ql_nope, q_out,
+    q_scale) or OP_PREFILL (k_nope, k_out). ``backend``: "torch", "triton", "aiter" or
+    "auto" (by device, dispatch.resolve), fixed here: no environment is read per call.
+    ``debug``: also check index values on the host each call (validation.py).
+    """
+
+    MAX_SITES = 64  # distinct layouts kept; a model has a handful per op
+
+    def __init__(self, op: int, *, is_neox: bool, kv_cache_dtype: str = "auto", is_nope_first: bool = True,
+                 backend: str = "auto", debug: bool = False) -> None:  # fmt: skip
+        if op not in OP_NAMES:
+            raise ValueError(f"op must be one of {sorted(OP_NAMES)}, got {op!r}")
+        self.op = op
+        self.is_neox = is_neox
+        self.kv_cache_dtype = kv_cache_dtype
+        self.is_nope_first = is_nope_first
+        self.backend = backend
+        self.debug = debug
+        self.qualname = f"mla_fusion::{OP_NAMES[op]}"
+        self.sites: dict[tuple, tuple[Site, str]] = {}
+
+    def __call__(self, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale=None,
+                 nope=None, out=None, out_scale=None) -> None:  # fmt: skip
+        """Run the op on the first ``T = q_pe.shape[0]`` tokens (the public ops' semantics)."""
+        args = (positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale, nope, out,
+                out_scale)  # fmt: skip
+        try:
+            entry = self.sites.get(_layout(*args))
+        except AttributeError:  # not a tensor somewhere: validation names it
+            entry = None
+        T = q_pe.shape[0] if entry is not None else -1
+        rows_agree = entry is not None and (
+            k_pe.shape[0] == T and kv_c.shape[0] == T and positions.shape[0] >= T and slot_mapping.shape[0] >= T
+            and (out is None or (nope.shape[0] == T and out.shape[0] == T))
+        )  # fmt: skip
+        if not rows_agree:
+            entry = self._bind(args)
+            T = q_pe.shape[0]
+        if self.debug:
+            self._validate(args)  # the index-value checks run with validation in debug mode
+        if not T:
+            return
+        if torch.autograd._profiler_enabled():
+            # Named in a profiler trace as the dispatcher names the public ops, so that a profile
+            # shows the same op names whichever entry point ran.
+            with torch.profiler.record_function(self.qualname):
+                entry[0](T, *args)
+        else:
+            entry[0](T, *args)
+
+    def validate(self, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale=None,
+                 nope=None, out=None, out_scale=None) -> validation.Problem:  # fmt: skip
+        """The call's sizes, or the ValueError/TypeError the call would raise (the ops' fakes)."""
+        return self._validate((positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale,
+                               nope, out, out_scale))  # fmt: skip
+
+    def backend_of(self, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale=None,
+                   nope=None, out=None, out_scale=None) -> str | None:  # fmt: skip
+        """The backend that runs calls of this layout, once one has been made (None before)."""
+        entry = self.sites.get(_layout(positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache,
+                                       kv_cache_scale, nope, out, out_scale))  # fmt: skip
+        return entry[1] if entry else None
+
+    def _validate(self, args) -> validation.Problem:
+        positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale, nope, out, out_scale = args
+        common = (cos_sin_cache, self.is_neox, slot_mapping, kv_cache)
+        if self.op == OP_ROPE_CACHE:
+            return validation.check_rope_cache_write(positions, q_pe, k_pe, kv_c, *common, self.kv_cache_dtype,
+                                                     kv_cache_scale)  # fmt: skip
+        if self.op == OP_DECODE:
+            return validation.check_decode_rope_cache_write(
+                positions, nope, q_pe, k_pe, kv_c, *common, out, self.kv_cache_dtype, kv_cache_scale, out_scale,
+                self.is_nope_first,
+            )  # fmt: skip
+        return validation.check_prefill_rope_cache_write(positions, q_pe, k_pe, kv_c, nope, *common, out,
+                                                         self.kv_cache_dtype, kv_cache_scale)  # fmt: skip
+
+    def _bind(self, args) -> tuple[Site, str]:
+        """Validate a call whose layout (or token rows) is new, and bind its layout's site."""
+        p = self._validate(args)
+        key = _layout(*args)
+        entry = self.sites.get(key)
+        if entry is None:
+            # The backend is chosen for the layout, whatever this call's token count: a choice
+            # that depends on it (AITER's kernels) is the site's, per call.
+            layout_problem = dataclasses.replace(p, num_tokens=1)
+            name = dispatch.resolve(self.backend, args[1].device, decode=self.op == OP_DECODE, problem=layout_problem)
+            site = dispatch.load(name).bind(p, self.op, self.is_neox, self.is_nope_first, *args)
+            if len(self.sites) >= self.MAX_SITES:
+                self.sites.clear()
+            entry = self.sites[key] = (site, name)
+        return entry
+
