@@ -73,10 +73,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if os.environ.get("MLA_FUSION_E2E_CPU_STANDINS") == "1":
     # Smoke run: vLLM's CPU platform spawns the engine core and its worker, which import this
     # file as their main module; the plain-torch stand-ins for the kernels the CUDA wheel lacks
-    # must be registered there too.
+    # must be registered there too, and AMX hidden from vLLM (demo/cpu_stand_ins.py).
     from demo import cpu_stand_ins as _cpu_stand_ins
 
-    _cpu_stand_ins.install()
+    _cpu_stand_ins.prepare()
 
 from demo.tiny_model import DSV3_ARCHITECTURE, yarn_rope_scaling  # noqa: E402
 
@@ -292,7 +292,10 @@ class Bench:
         if a.attention_backend:
             kw["attention_backend"] = a.attention_backend
         if a.smoke:
-            kw.update(dtype="bfloat16", attention_backend="CPU_MLA", kv_cache_memory_bytes=256 << 20, enforce_eager=True)
+            from demo.cpu_stand_ins import ATTENTION_BACKEND
+
+            kw.update(dtype="bfloat16", attention_backend=ATTENTION_BACKEND, kv_cache_memory_bytes=256 << 20,
+                      enforce_eager=True)  # fmt: skip
         else:
             kw.update(dtype="bfloat16", compilation_config={"cudagraph_capture_sizes": sorted(a.decode_batches)})
         return kw
@@ -1065,7 +1068,7 @@ def main(argv=None) -> int:
         os.environ["MLA_FUSION_E2E_CPU_STANDINS"] = "1"
         from demo import cpu_stand_ins
 
-        cpu_stand_ins.install()
+        cpu_stand_ins.prepare()
     return Bench(args).run()
 
 

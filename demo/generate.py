@@ -81,8 +81,8 @@ def engine_args(model_dir: str) -> dict:
         seed=0,
     )
     if not ON_GPU:
-        # On CPUs with AMX vLLM would pick AMX_MLA, whose kernels the wheel lacks too.
-        args["attention_backend"] = "CPU_MLA"
+        # By name: vLLM's CPU platform would pick AMX_MLA on a CPU with AMX (demo/cpu_stand_ins.py).
+        args["attention_backend"] = cpu_stand_ins.ATTENTION_BACKEND
     return args
 
 
@@ -138,7 +138,7 @@ def run_pass(engine, requests: list[Request], census: census_mod.Census, counted
 
 def main(model_dir: str) -> None:
     started = time.perf_counter()
-    stand_ins = [] if ON_GPU else cpu_stand_ins.install()
+    stand_ins = [] if ON_GPU else cpu_stand_ins.prepare()  # and AMX hidden from vLLM
     census = census_mod.Census().install()
     progress("starting vLLM's engine")
     from vllm import LLM, __version__
@@ -157,6 +157,8 @@ def main(model_dir: str) -> None:
         "torch": torch.__version__,
         "dtype": DTYPE,
         "stand_ins": stand_ins,
+        # What torch says about AMX tiles on this host, and what vLLM was told (demo/cpu_stand_ins.py).
+        "amx": {"host": cpu_stand_ins.host_has_amx(), "vllm": torch.cpu._is_amx_tile_supported()},
         "chunked_prefill": config.scheduler_config.enable_chunked_prefill,
         "prefix_caching": config.cache_config.enable_prefix_caching,
         "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,

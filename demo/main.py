@@ -242,7 +242,10 @@ def report(on: dict, off: dict, log_on: list[str], log_off: list[str]) -> bool:
         for name in on["stand_ins"]:
             print(f"  torch.ops._C.{name:<34}{cpu_stand_ins.STAND_INS[name][3]}")
         print("None of them is RoPE, the KV-cache write or the query concat: with the plugin off, that part is")
-        print("vLLM's own code, and with it on, the plugin's.\n")
+        print("vLLM's own code, and with it on, the plugin's.")
+        has = "has AMX tiles" if on["amx"]["host"] else "has none either"
+        print(f"vLLM was also told the CPU has no AMX (this one {has}) and asked for CPU_MLA by name: with AMX,")
+        print("vLLM's CPU platform picks AMX_MLA and packs bf16 linear weights, with kernels the wheel lacks too.\n")
     asked_off = [f for f in ("chunked_prefill", "prefix_caching") if not on[f]]
     if asked_off:
         said = next((log_message(x) for x in log_on if CPU_MLA_OVERRIDE in x), None)

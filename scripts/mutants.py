@@ -281,4 +281,28 @@ MUTANTS = [
            'scope="process",  # one line per rank, so ranks that chose differently are visible',
            'scope="local",',
            "tests/vllm_plugin/test_eligibility.py -k every_rank_logs", "chosen backend/mode logged by rank 0 only"),
+    Mutant("plugin-keep-reason-rank-0-only", "vllm_mla_fusion/vllm_plugin/layer.py",
+           'scope="process",  # every rank says why it is not fused (e.g. AMX_MLA on a CPU with AMX)',
+           'scope="local",',
+           "tests/vllm_plugin/test_amx.py -k every_rank", "why layers keep vLLM's path logged by rank 0 only"),
+    Mutant("plugin-fuses-on-amx-mla", "vllm_mla_fusion/vllm_plugin/eligibility.py",
+           "if update not in (MLAAttentionImpl.do_kv_cache_update, _cpu_mla_kv_cache_update()):",
+           "if update is None:",
+           "tests/vllm_plugin/test_amx.py -k amx_mla_is_vllms_layer", "a backend's own cache layout not declined"),
+    Mutant("dispatch-aiter-offered-for-cpu", "vllm_mla_fusion/dispatch.py",
+           '    if device.type == "cuda":\n        from .backends import aiter as aiter_backend\n\n'
+           '        if aiter_backend.unavailable_reason(device) is None:\n            names.insert(0, "aiter")',
+           '    from .backends import aiter as aiter_backend\n\n'
+           '    if aiter_backend.unavailable_reason(device) is None:\n        names.insert(0, "aiter")',
+           "tests/test_custom_ops.py -k aiter_is_offered", "AITER listed for CPU tensors"),
+    Mutant("bench-launch-target-too-loose", "benchmarks/bench_mla_rope_cache.py",
+           'n_met = sum(r["us"] <= 1.5 * launch_us for r in lb)',
+           'n_met = sum(r["us"] <= 2.0 * launch_us for r in lb)',
+           "tests/benchmarks/test_bench_smoke.py -k verdicts", "the benchmark's launch target judged at 2x"),
+    # ---- the CPU harness (demo/cpu_stand_ins.py) --------------------------------------------
+    Mutant("harness-amx-not-hidden", "demo/cpu_stand_ins.py",
+           "        torch.cpu._is_amx_tile_supported = lambda: False\n",
+           "        pass\n",
+           "tests/vllm_plugin/test_amx.py -k amx_reported_present",
+           "vLLM sees a (simulated) AMX CPU: AMX_MLA / packed linear weights, kernels the wheel lacks"),
 ]  # fmt: skip

@@ -17,6 +17,8 @@ checkout itself is never modified, even when interrupted. The copy is imported f
 Too slow for .ci/run: 51 mutants at 4-40 s each (the plugin ones import vLLM), plus a
 baseline of 6 pytest runs, took ~650 s (~11 minutes; 48 of them 628 s) on a 2-core CPU machine; the time of each
 run is printed at the end.
+harness-amx-not-hidden runs the AMX-simulated vLLM tests (tests/vllm_plugin/test_amx.py): ~3-4
+minutes more, in the baseline and again as a mutant (``-k`` leaves it out or runs it alone).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from torch.library import opcheck
 import vllm_mla_fusion as mla
 from vllm_mla_fusion import dispatch
 
-from .conftest import HAS_GPU, OP_BACKENDS
+from .conftest import OP_BACKENDS
 from .mla_cases import make_case
 from .mla_reference import check_decode_rope_cache_write, check_prefill_rope_cache_write, check_rope_cache_write
 
@@ -146,5 +146,12 @@ def test_available_backends_on_cpu():
     names = mla.available_backends("cpu")
     assert "torch" in names
     assert ("triton" in names) == dispatch.triton_interpreting()
-    if not HAS_GPU:
-        assert "aiter" not in mla.available_backends("cpu")
+
+
+def test_aiter_is_offered_for_gpu_tensors_only(monkeypatch):
+    """Even where AITER's HIP op could run, CPU tensors are never offered it; GPU tensors get it first."""
+    from vllm_mla_fusion.backends import aiter as aiter_backend
+
+    monkeypatch.setattr(aiter_backend, "unavailable_reason", lambda device: None)  # "AITER installed, ROCm GPU"
+    assert "aiter" not in mla.available_backends("cpu")
+    assert mla.available_backends("cuda")[0] == "aiter"

@@ -71,3 +71,13 @@ def test_stand_ins_compute_what_vllm_expects(namespace):
     rows = kv_cache[3, :3]
     want = torch.softmax(query[0] @ rows.T * 0.5, dim=-1) @ rows[:, :4]
     torch.testing.assert_close(out[0], want)
+
+
+def test_hide_amx_reports_no_amx_and_remembers_the_hosts_answer(monkeypatch):
+    """What vLLM reads says no AMX; what torch said before stays available (host_has_amx)."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)  # a host with AMX
+    monkeypatch.setattr(cpu_stand_ins, "_HOST_AMX", None)  # not hidden yet in this "process"
+    cpu_stand_ins.hide_amx()
+    cpu_stand_ins.hide_amx()  # idempotent: the host's answer is not overwritten by our own
+    assert torch.cpu._is_amx_tile_supported() is False
+    assert cpu_stand_ins.host_has_amx() is True

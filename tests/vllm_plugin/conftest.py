@@ -19,6 +19,10 @@ from demo import cpu_stand_ins  # noqa: E402
 
 from . import harness  # noqa: E402 - after the platform choice
 
+# On a CPU with AMX, vLLM's CPU platform would take paths whose kernels the CUDA wheel lacks:
+# AMX is hidden from vLLM before any test builds anything (demo/cpu_stand_ins.py says why).
+cpu_stand_ins.hide_amx()
+
 PLUGIN_ENV = ("VLLM_MLA_FUSION", "VLLM_MLA_FUSION_DECODE", "VLLM_PLUGINS")
 
 
@@ -52,6 +56,18 @@ def plugin_off():
     _unregister()
     yield
     _unregister()
+
+
+@pytest.fixture
+def as_rank_3(vllm_cpu, monkeypatch):
+    """This process as vLLM's world group sees a TP rank other than the first: global rank 3,
+    local rank 3. vLLM's *_once loggers (default scope "local") stay silent here."""
+    from vllm.distributed import parallel_state as ps
+
+    world = ps.get_world_group()
+    monkeypatch.setattr(world, "rank", 3)
+    monkeypatch.setattr(world, "local_rank", 3)
+    assert not ps.is_local_first_rank() and not ps.is_global_first_rank()
 
 
 @pytest.fixture

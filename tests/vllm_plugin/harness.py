@@ -12,7 +12,9 @@ The CUDA wheel of vLLM has no compiled CPU kernels; CPU_MLA's decode calls
 ``torch.ops._C.mla_decode_kvcache``, for which conftest.py registers the
 plain-torch stand-in of demo/cpu_stand_ins.py (shared with the demo), which
 also records the queries it is given: the decode query the attention backend
-consumed.
+consumed. As in the demo, CPU_MLA is asked for by name and conftest.py hides
+AMX from vLLM, so that a CPU with AMX takes the same path (that module's
+docstring says why).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from demo import tiny_model
+from demo import cpu_stand_ins, tiny_model
 
 # Per-head dims of DeepSeek-V3; hidden size and head count reduced (demo/tiny_model.py).
 DSV3_CONFIG = tiny_model.CONFIG
@@ -42,11 +44,15 @@ class VllmCpu:
     """One VllmConfig + process group for the test session; layers get unique names."""
 
     def __init__(self, model_dir: str):
-        from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
+        from vllm.config import AttentionConfig, CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
         from vllm.distributed import init_distributed_environment, initialize_model_parallel
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
         self.model_config = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024)
-        self.config = VllmConfig(model_config=self.model_config, cache_config=CacheConfig(block_size=BLOCK_SIZE))
+        self.config = VllmConfig(
+            model_config=self.model_config, cache_config=CacheConfig(block_size=BLOCK_SIZE),
+            attention_config=AttentionConfig(backend=AttentionBackendEnum[cpu_stand_ins.ATTENTION_BACKEND]),
+        )  # fmt: skip
         self._set_config = set_current_vllm_config
         with set_current_vllm_config(self.config):
             init_distributed_environment(
@@ -96,14 +102,14 @@ class VllmCpu:
             process_weights_after_loading(attn, self.model_config, torch.device("cpu"))
         return state
 
-    def builder(self, layer_names: list[str]):
+    def builder(self, layer_names: list[str], backend=None, block_size: int = BLOCK_SIZE):
+        """The metadata builder of ``backend`` (default CPU_MLA, the harness's backend) for these layers."""
+        from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-        spec = MLAAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=576, dtype=DTYPE)
-        from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
-
+        spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=576, dtype=DTYPE)
         with self.active():
-            return CPUMLABackend.get_builder_cls()(spec, layer_names, self.config, torch.device("cpu"))
+            return (backend or CPUMLABackend).get_builder_cls()(spec, layer_names, self.config, torch.device("cpu"))
 
 
 def mla_layer(attn):
@@ -162,10 +168,10 @@ def prepare_step(step: Step, requests: dict[int, Request], block_size: int = BLO
     )  # fmt: skip
 
 
-def new_kv_cache(seed: int) -> torch.Tensor:
-    """A [num_blocks, 1, block_size, 576] cache filled with canary values (never all-zero rows)."""
+def new_kv_cache(seed: int, shape: tuple[int, ...] = (NUM_BLOCKS, 1, BLOCK_SIZE, 576)) -> torch.Tensor:
+    """A cache (CPU_MLA's [num_blocks, 1, block_size, 576] by default) filled with canary values (never all-zero rows)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn((NUM_BLOCKS, 1, BLOCK_SIZE, 576), generator=g).to(DTYPE)
+    return torch.randn(shape, generator=g).to(DTYPE)
 
 
 def run_step(env: VllmCpu, attn, metadata, step: Step, hidden: torch.Tensor) -> torch.Tensor:

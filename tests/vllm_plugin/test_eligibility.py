@@ -200,18 +200,6 @@ def test_unrunnable_backend_falls_back_with_a_warning(vllm_cpu, plugin_on, monke
     assert any("interpreter" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
 
 
-@pytest.fixture
-def as_rank_3(vllm_cpu, monkeypatch):
-    """This process as vLLM's world group sees a TP rank other than the first: global rank 3,
-    local rank 3. vLLM's *_once loggers (default scope "local") stay silent here."""
-    from vllm.distributed import parallel_state as ps
-
-    world = ps.get_world_group()
-    monkeypatch.setattr(world, "rank", 3)
-    monkeypatch.setattr(world, "local_rank", 3)
-    assert not ps.is_local_first_rank() and not ps.is_global_first_rank()
-
-
 def test_setup_failure_on_another_rank_is_logged_there(vllm_cpu, plugin_off, as_rank_3, monkeypatch, caplog):
     """A setup failure on rank 3 alone (rank 0 fine) must be visible: the warning comes from every
     rank, once per process, naming the rank."""

@@ -95,6 +95,9 @@ def test_compile_cache_key_separates_plugin_settings(plugin_off, monkeypatch, vl
 
 START = """
 import logging, sys
+sys.path.insert(0, sys.argv[3])
+from demo import cpu_stand_ins
+cpu_stand_ins.hide_amx()  # as in every process here that runs vLLM on the CPU (demo/cpu_stand_ins.py)
 from vllm.engine.arg_utils import EngineArgs
 args = EngineArgs(model=sys.argv[1], skip_tokenizer_init=True, fail_on_environ_validation=sys.argv[2] == "strict")
 args.create_engine_config()
@@ -113,7 +116,7 @@ def test_normal_start_does_not_warn_about_the_variables(tmp_path, strict):
     if not strict:
         env[UNDECLARED] = "1"
     proc = subprocess.run(
-        [sys.executable, "-c", START, str(model), "strict" if strict else "warn"],
+        [sys.executable, "-c", START, str(model), "strict" if strict else "warn", str(REPO)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     log = proc.stdout + proc.stderr

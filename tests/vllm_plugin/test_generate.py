@@ -99,5 +99,8 @@ def test_cpu_run_reports_what_vllm_changed(runs):
     if on["device"] != "CPU":
         pytest.skip("the stand-ins and vLLM's CPU overrides only concern a CPU-only machine")
     assert on["stand_ins"] == off["stand_ins"] == list(cpu_stand_ins.STAND_INS)
+    # The demo's process saw the host's AMX as this one does (under test_amx.py's simulation too),
+    # and hid it from vLLM.
+    assert on["amx"] == off["amx"] == {"host": cpu_stand_ins.host_has_amx(), "vllm": False}
     # vLLM's CPU platform turns both off for MLA models (vllm/platforms/cpu.py), although the run asks for them.
     assert (on["chunked_prefill"], on["prefix_caching"]) == (False, False)

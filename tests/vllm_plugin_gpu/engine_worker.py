@@ -281,7 +281,7 @@ def main(argv=None) -> int:
     if args.cpu_smoke:
         from demo import cpu_stand_ins
 
-        cpu_stand_ins.install()
+        cpu_stand_ins.prepare()
     return Runner(args).run()
 
 

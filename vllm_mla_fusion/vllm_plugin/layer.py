@@ -23,13 +23,15 @@ on the layer's mode, chosen once at construction:
   or ``VLLM_MLA_FUSION_DECODE=0``.
 
 Layers the fused ops cannot serve (eligibility.layer_reason) keep vLLM's
-forward unchanged; the reason is logged at debug level.
+forward unchanged; the reason is logged at debug level per layer, and at
+info level once per process and reason.
 
 Logging: vLLM's ``*_once`` loggers default to ``scope="local"``, i.e. local
 rank 0 only, so a setup failure on another rank (a missing library, a GPU
 the backend cannot run on) would leave that rank on vLLM's path without a
-word. The fallback warning and the chosen backend and mode are therefore
-logged once per process (``scope="process"``), each line naming its rank.
+word. The fallback warning, the chosen backend and mode, and the reason a
+layer keeps vLLM's path are therefore logged once per process
+(``scope="process"``), each line naming its rank.
 
 vLLM 0.33's forward has no seam between stage 1 and stage 2, and its
 attention call cannot carry ``positions``, so a fused layer restates stage 1
@@ -86,6 +88,12 @@ class FusedMultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
             reason = eligibility.layer_reason(self, vllm_config)
             if reason is not None:
                 logger.debug("vllm-mla-fusion: %s keeps vLLM's MLA path: %s", self.prefix, reason)
+                logger.info_once(
+                    "vllm-mla-fusion (%s): MLA layers keep vLLM's path: %s",
+                    rank_label(),
+                    reason,
+                    scope="process",  # every rank says why it is not fused (e.g. AMX_MLA on a CPU with AMX)
+                )
                 return
             decode_reason = eligibility.decode_reason(self.mla_attn, vllm_config)
             backend = eligibility.load_backend(self.rotary_emb.cos_sin_cache.device, decode=decode_reason is None)
