@@ -106,8 +106,9 @@ def weight_bytes(config: dict) -> dict[str, int]:
 
     Linear layers store fp8 (1 byte) plus one float32 scale per 128x128 block where the
     config says fp8 and bf16 otherwise; the router, norms, embedding and LM head stay bf16
-    (DeepSeek's checkpoint quantizes only the linear layers' weights). A sizing estimate:
-    vLLM's fused layouts (q_a and kv_a merged, gate and up merged) hold the same numbers.
+    (DeepSeek's checkpoint quantizes only the linear layers' weights). vLLM's fused layouts (q_a
+    and kv_a merged, gate and up merged) hold the same numbers: tests/benchmarks/serving/
+    test_models.py checks these byte counts against the model vLLM builds on the meta device.
     """
     c = config
     block = (c.get("quantization_config") or {}).get("weight_block_size")
