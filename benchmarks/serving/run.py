@@ -28,7 +28,7 @@ from pathlib import Path
 
 from . import models, report
 from .loads import DEFAULT_LOADS, Load, parse_loads, scaled_prompts
-from .plan import SPEEDS, TEARDOWN_S, Estimator, Measured, plan
+from .plan import MIN_SCALE, SPEEDS, TEARDOWN_S, Estimator, Measured, plan
 from .server import PortTaken, Server, ServerFailed, ServerSpec, confirm_side, notable_lines
 from .sides import Side, parse_sides, server_order
 
@@ -250,13 +250,19 @@ class Benchmark:
         status = 0
         warm = self.warm_slugs()
         for position, (index, side) in enumerate(the_plan.servers):
-            need = self.estimator.server_s(side.slug, side.slug in warm, self.args.load_list, the_plan.scale)
+            # Estimates measured since the plan may say it no longer fits: fewer prompts first, then skip.
+            scale = the_plan.scale
+            while (need := self.estimator.server_s(side.slug, side.slug in warm, self.args.load_list, scale)) > \
+                    self.left_s() and scale > MIN_SCALE:
+                scale = max(MIN_SCALE, scale / 2)
             if need > self.left_s():
                 self.skipped.append(f"server {index} ({side.name}): ~{need:.0f} s needed, {self.left_s():.0f} s left")
                 log(f"deadline: not starting server {index} ({side.name})")
                 continue
+            if scale != the_plan.scale:
+                log(f"server {index} ({side.name}): prompts x {scale:g} to fit the time left")
             try:
-                record = self.run_server(index, side, side.slug in warm, the_plan.scale)
+                record = self.run_server(index, side, side.slug in warm, scale)
             except SideMismatch as e:
                 self.errors.append(str(e))
                 log(f"FAILED: {e}")
@@ -272,7 +278,7 @@ class Benchmark:
     def run_server(self, index: int, side: Side, warm: bool, scale: float) -> dict:
         """One server from start to teardown; its record (also kept in the state). Whatever happens,
         the server's and the client's process groups are gone when this returns or raises."""
-        record = {"index": index, "side": side.name, "slug": side.slug, "warm_cache": warm,
+        record = {"index": index, "side": side.name, "slug": side.slug, "warm_cache": warm, "prompts_scale": scale,
                   "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
         self.state["servers"].append(record)
         record["plugin_origin"] = self.plugin_origin(side) if side.plugin else None

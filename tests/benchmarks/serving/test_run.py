@@ -116,3 +116,24 @@ def test_the_plugin_package_a_side_imports(tmp_path):
     (bench.work / "vllm_mla_fusion").mkdir()  # a copy in the servers' working directory is never the one found
     (bench.work / "vllm_mla_fusion" / "__init__.py").write_text("")
     assert bench.plugin_origin(baseline)["package"] == str(old.resolve() / "vllm_mla_fusion" / "__init__.py")
+
+
+def test_servers_late_by_the_measured_times_get_fewer_prompts_or_are_skipped(tmp_path, monkeypatch):
+    import time
+
+    from benchmarks.serving.plan import Plan
+
+    bench = run.Benchmark(run.parse_args(["--out", str(tmp_path), "--layers", "4"]))
+    calls = []
+    monkeypatch.setattr(bench, "run_server", lambda index, side, warm, scale: calls.append((index, side.name, scale)) or {})
+    on, off = bench.args.side_list
+    loads = bench.args.load_list
+    full, half = (bench.estimator.server_s("on", False, loads, s) for s in (1.0, 0.5))
+    the_plan = Plan([(0, on), (1, off)], 1.0, [full, full], budget_s=2 * full)
+    bench.deadline = time.time() + (full + half) / 2  # later than planned: each fits only with half the prompts
+    assert bench.run_plan(the_plan) == 0
+    assert calls == [(0, "on", 0.5), (1, "off", 0.5)]
+    calls.clear()
+    bench.deadline = time.time() + 10  # nothing fits at any scale
+    assert bench.run_plan(the_plan) == 0 and calls == []
+    assert [s.split(":")[0] for s in bench.skipped] == ["server 0 (on)", "server 1 (off)"]
