@@ -172,7 +172,13 @@ def write(path: str | os.PathLike, weights: bool = True, seed: int = 0, **overri
     dtype = getattr(torch, config["torch_dtype"])
     save_file({k: t.to(dtype) for k, t in state_dict(config, seed).items()}, str(path / "model.safetensors"),
               metadata={"format": "pt"})  # fmt: skip
-    tok = build_tokenizer(config["vocab_size"])
+    save_tokenizer(path, build_tokenizer(config["vocab_size"]), config)
+    return path
+
+
+def save_tokenizer(path: Path, tok, config: dict) -> None:
+    """``tok`` (a ``tokenizers.Tokenizer`` with BOS and EOS) as transformers' fast tokenizer, and the
+    generation config, beside the model's config.json."""
     if tok.get_vocab_size() != config["vocab_size"]:
         raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} entries, the model {config['vocab_size']}")
     assert (tok.token_to_id(BOS), tok.token_to_id(EOS)) == (config["bos_token_id"], config["eos_token_id"])
@@ -186,7 +192,6 @@ def write(path: str | os.PathLike, weights: bool = True, seed: int = 0, **overri
     (path / "generation_config.json").write_text(
         json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
     )
-    return path
 
 
 def describe(config: dict = CONFIG) -> str:

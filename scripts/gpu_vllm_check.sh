@@ -36,20 +36,8 @@ summary=()
 left() { echo $((TOTAL_S - SECONDS)); }
 note() { echo "[$(date +%H:%M:%S) +${SECONDS}s] $*"; }
 
-setup_env() {
-  export PYTHONPATH=$SITE_DIR:$EP_DIR:$REPO PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
-  # vLLM's V2 model runner imports flashinfer for its sampler unless told not to; it is not carried.
-  export VLLM_USE_FLASHINFER_SAMPLER=0
-  unset TRITON_INTERPRET VLLM_TARGET_DEVICE VLLM_MLA_FUSION VLLM_MLA_FUSION_DECODE VLLM_MLA_FUSION_BACKEND VLLM_PLUGINS
-  # The checkout is on PYTHONPATH, not pip-installed: its entry point needs a dist-info there.
-  local version dist
-  version=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -1)
-  dist=$EP_DIR/vllm_mla_fusion-${version}.dist-info
-  rm -rf "$EP_DIR" && mkdir -p "$dist"
-  printf 'Metadata-Version: 2.1\nName: vllm-mla-fusion\nVersion: %s\n' "$version" >"$dist/METADATA"
-  printf '[vllm.general_plugins]\nmla_fusion = vllm_mla_fusion.vllm_plugin:register\n' >"$dist/entry_points.txt"
-  printf 'vllm_mla_fusion\n' >"$dist/top_level.txt"
-}
+# shellcheck source=scripts/vllm_h200_env.sh
+source "$REPO/scripts/vllm_h200_env.sh"
 
 stage_install() {
   if [ -f "$SITE_DIR/.mla_fusion_install_complete" ]; then
@@ -149,7 +137,7 @@ collect_inductor_code() {
   note "inductor code: $(echo "$files" | wc -l) files (output modules, chosen configurations) in inductor_code_$1.tgz"
 }
 
-setup_env
+setup_vllm_env
 for stage in $stages; do
   case $stage in
   install) stage_install || { status=1; summary+=("install: FAILED"); break; } ;;

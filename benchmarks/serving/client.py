@@ -1,0 +1,71 @@
+"""vLLM's own benchmark client, ``vllm bench serve``, run for one server's loads in one process.
+
+``python -m benchmarks.serving.client SPEC.json`` parses each load's arguments with
+``vllm bench serve``'s own parser and calls its ``main`` (what the ``vllm bench serve``
+command does): one import of vLLM per server instead of one per load (~15-20 s each on
+the GPU machine), started while the server starts. It waits for the driver's go-file
+(written once the server is healthy and its side confirmed), then runs the loads in order.
+
+Per load it appends one line to the spec's ``progress`` file (JSON lines, so that a
+kill leaves what was done): the load, the seconds it took, the server's prefix-cache
+counters before and after (from /metrics), and any error. A load whose estimate no longer
+fits the deadline is recorded as skipped and not started.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+def _record(progress: Path, entry: dict) -> None:
+    with progress.open("a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def run(spec: dict) -> int:
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from .server import prefix_cache_counters
+
+    progress = Path(spec["progress"])
+    go, stop = Path(spec["go_file"]), Path(spec["stop_file"])
+    _record(progress, {"event": "imported", "time": time.time()})
+    while not go.exists():
+        if stop.exists() or time.time() > spec["deadline"]:
+            _record(progress, {"event": "never started"})
+            return 1
+        time.sleep(0.2)
+    failures = 0
+    for load in spec["loads"]:
+        entry = {"event": "load", "load": load["name"], "prompts": load["prompts"]}
+        if time.time() + load["estimate_s"] > spec["deadline"]:
+            entry["skipped"] = f"~{load['estimate_s']:.0f} s needed, {spec['deadline'] - time.time():.0f} s left"
+            _record(progress, entry)
+            continue
+        parser = FlexibleArgumentParser(prog="vllm bench serve")
+        add_cli_args(parser)
+        args = parser.parse_args(load["args"])
+        before = prefix_cache_counters(spec["port"])
+        t = time.monotonic()
+        try:
+            result = main(args)
+            entry["completed"] = result.get("completed")
+        except Exception as e:  # noqa: BLE001 - recorded; the next load may still run
+            entry["error"] = f"{type(e).__name__}: {e}"
+            entry["traceback"] = traceback.format_exc()[-3000:]
+            failures += 1
+        entry["wall_s"] = time.monotonic() - t
+        after = prefix_cache_counters(spec["port"])
+        if before is not None and after is not None:
+            entry["prefix_cache"] = {k: after[k] - before[k] for k in after}
+        _record(progress, entry)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(json.loads(Path(sys.argv[1]).read_text())))

@@ -1,0 +1,125 @@
+"""The loads sent to each server, as ``vllm bench serve`` command lines.
+
+Every load is vLLM's random dataset (prompt and output lengths fixed, ``--ignore-eos`` so
+every request generates all its tokens), greedy sampling, streamed completions (vLLM's
+``openai`` backend), and a seed of its own: two loads with the same lengths and seed
+would send the same prompts, and the second would be served from the prefix cache.
+vLLM saves its own result JSON (``--save-result``); ``--metadata`` records in it which
+server, side and load it belongs to, so the files describe themselves.
+
+A load is written ``name=NAME,in=N,out=N,rate=R,concurrency=C,prompts=N`` on the command
+line (``rate`` in requests per second, ``inf`` to send all at once; ``concurrency``
+optional), or chosen from ``PRESETS`` by name.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+# p50 is vLLM's "median_*_ms"; p99 comes from --metric-percentiles.
+PERCENTILE_METRICS = "ttft,tpot,itl,e2el"
+METRIC_PERCENTILES = "50,99"
+
+
+@dataclass(frozen=True)
+class Load:
+    name: str
+    input_len: int
+    output_len: int
+    request_rate: float  # requests per second; inf: all at once (bounded by max_concurrency)
+    prompts: int
+    max_concurrency: int | None = None
+    measured: bool = True  # False: a warm-up, sent but not reported
+
+    def describe(self) -> str:
+        arrival = f"{self.request_rate:g} req/s" if math.isfinite(self.request_rate) else "all at once"
+        if self.max_concurrency:
+            arrival += f", at most {self.max_concurrency} in flight"
+        return f"{self.input_len} in / {self.output_len} out, {arrival}, {self.prompts} prompts"
+
+    def bench_args(self, *, served_model: str, tokenizer: str, port: int, seed: int, prompts: int,
+                   result_dir: str, result_filename: str, metadata: dict[str, object],
+                   extra: tuple[str, ...] = ()) -> list[str]:  # fmt: skip
+        """The arguments of ``vllm bench serve`` for this load against the server on ``port``."""
+        args = [
+            "--backend", "openai", "--host", "127.0.0.1", "--port", str(port),
+            "--model", served_model, "--tokenizer", tokenizer,
+            "--dataset-name", "random", "--random-input-len", str(self.input_len),
+            "--random-output-len", str(self.output_len), "--num-prompts", str(prompts),
+            "--request-rate", "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}",
+            "--seed", str(seed), "--ignore-eos", "--temperature", "0",
+            "--percentile-metrics", PERCENTILE_METRICS, "--metric-percentiles", METRIC_PERCENTILES,
+            "--save-result", "--result-dir", result_dir, "--result-filename", result_filename,
+            "--disable-tqdm",
+        ]  # fmt: skip
+        if self.max_concurrency:
+            args += ["--max-concurrency", str(self.max_concurrency)]
+        args += [*extra, "--metadata", *(f"{k}={v}" for k, v in metadata.items())]
+        return args
+
+
+# The issue's loads on an H200, with prompt counts that keep one server's loads near 1.5
+# minutes (plan.py's estimates): a moderate and a heavy arrival rate of 1k prompts, a
+# saturating decode load, and a prefill-heavy one. The warm-up goes first on every server
+# (first requests after start-up pay one-time costs; its own seed keeps its prompts out of
+# the measured loads' prefix cache).
+PRESETS: dict[str, Load] = {
+    load.name: load
+    for load in (
+        Load("warmup", 1024, 16, math.inf, prompts=32, max_concurrency=16, measured=False),
+        Load("rate4", 1024, 128, 4.0, prompts=100),
+        Load("rate16", 1024, 128, 16.0, prompts=200),
+        Load("saturate", 512, 256, math.inf, prompts=256, max_concurrency=64),
+        Load("prefill", 4096, 32, 4.0, prompts=60),
+    )
+}
+DEFAULT_LOADS = ("warmup", "rate4", "rate16", "saturate", "prefill")
+
+
+def parse_load(text: str) -> Load:
+    """A preset's name, or ``name=NAME,in=N,out=N,rate=R[,concurrency=C],prompts=N[,warmup=1]``."""
+    if "=" not in text:
+        if text not in PRESETS:
+            raise ValueError(f"unknown load {text!r}; presets: {sorted(PRESETS)}")
+        return PRESETS[text]
+    fields = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"load {text!r}: {item!r} is not KEY=VALUE")
+        fields[key.strip()] = value.strip()
+    known = {"name", "in", "out", "rate", "concurrency", "prompts", "warmup"}
+    if set(fields) - known or not {"name", "in", "out", "rate", "prompts"} <= set(fields):
+        raise ValueError(f"load {text!r}: keys name, in, out, rate, prompts (and optionally concurrency, warmup)")
+    load = Load(
+        name=fields["name"],
+        input_len=int(fields["in"]),
+        output_len=int(fields["out"]),
+        request_rate=float(fields["rate"]),
+        prompts=int(fields["prompts"]),
+        max_concurrency=int(fields["concurrency"]) if "concurrency" in fields else None,
+        measured=fields.get("warmup", "0") not in ("1", "true", "yes"),
+    )
+    if min(load.input_len, load.output_len, load.prompts) < 1 or not load.request_rate > 0:
+        raise ValueError(f"load {text!r}: lengths, prompts and rate must be positive")
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", load.name):
+        raise ValueError(f"load {text!r}: a name of letters, digits, '_' and '-' (it names files)")
+    return load
+
+
+def parse_loads(texts: list[str]) -> list[Load]:
+    loads = [parse_load(t) for t in texts]
+    names = [load.name for load in loads]
+    if len(set(names)) != len(names):
+        raise ValueError(f"a load name is given twice: {names}")
+    if not any(load.measured for load in loads):
+        raise ValueError("every load is a warm-up: nothing would be measured")
+    return loads
+
+
+def scaled_prompts(load: Load, scale: float) -> int:
+    """Prompts of ``load`` at ``scale``; never fewer than one wave of its concurrency (or 4)."""
+    floor = min(load.prompts, load.max_concurrency or 4)
+    return max(floor, round(load.prompts * scale))

@@ -1,0 +1,150 @@
+"""How many servers fit the time budget, and with how many prompts.
+
+A server costs its start-up (the client's import of vLLM overlaps it), every load's
+duration, and its teardown. Until something is measured the estimates are the guesses in
+``SPEEDS``; every server measured replaces them (``Measured``, kept in the work
+directory's state file, so a later call on the same machine plans with this one's
+figures). Start-up depends on whether the side's compile cache is warm: the first server
+of a side compiles its graphs (cold), later ones load vLLM's compiled artifact (warm).
+
+The plan takes servers in their order (sides.py) while they fit; if not even one fits, it
+shrinks every load's prompt count (down to ``MIN_SCALE``) before giving up. At run time
+each server and each load is checked again against the time left, with the estimates
+measured so far.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .loads import Load, scaled_prompts
+
+
+@dataclass(frozen=True)
+class Speed:
+    """Planning guesses for one stand-in (seconds), until measured."""
+
+    cold_start_fixed_s: float
+    cold_start_per_layer_s: float
+    warm_start_fixed_s: float
+    warm_start_per_layer_s: float
+    tpot_s: float  # time per output token under an arrival-rate load (chunked prefill mixed in)
+    decode_step_s: float  # one decode step of a saturating batch
+    prefill_tokens_per_s: float
+
+
+# H200 guesses. Dense: bench_vllm_e2e.py's engines started in 80-115 s cold and 19-23 s warm
+# (61 layers, vllm.LLM); `vllm serve` adds the API server's own import of vLLM (~15-20 s).
+# The earlier manual serving run saw TPOT 21-38 ms at 16 req/s and 7.2-7.4 ms at 64 in flight.
+# fp8-moe: not yet measured; 58 MoE layers of 256 experts compile and load more slowly, and the
+# fp8 MoE kernels (Triton, without DeepGEMM or FlashInfer) make steps ~2x longer (a guess).
+# tiny-cpu: the CPU smoke test's 3-layer model on 2 cores.
+SPEEDS = {
+    "dense": Speed(35.0, 1.6, 25.0, 0.35, tpot_s=0.040, decode_step_s=0.010, prefill_tokens_per_s=60_000),
+    "fp8-moe": Speed(45.0, 2.6, 35.0, 0.7, tpot_s=0.070, decode_step_s=0.025, prefill_tokens_per_s=30_000),
+    "tiny-cpu": Speed(60.0, 2.0, 60.0, 2.0, tpot_s=0.3, decode_step_s=0.3, prefill_tokens_per_s=800),
+}
+LOAD_OVERHEAD_S = 4.0  # per load: the dataset's prompts, the prefix-cache counters, vLLM's result file
+TEARDOWN_S = 15.0  # SIGINT to the last process of the server gone
+MIN_SCALE = 0.25
+
+
+@dataclass
+class Measured:
+    """What earlier servers took: start-up by side and warmth, load durations (vLLM's ``duration``)."""
+
+    start_s: dict[str, list[float]] = field(default_factory=dict)  # "cold" / "warm:<slug>" -> seconds
+    load_s: dict[str, list[float]] = field(default_factory=dict)  # "<load>@<prompts>" -> seconds
+
+    def to_json(self) -> dict:
+        return {"start_s": self.start_s, "load_s": self.load_s}
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> Measured:
+        data = data or {}
+        return cls(dict(data.get("start_s", {})), dict(data.get("load_s", {})))
+
+    def add_start(self, slug: str, warm: bool, seconds: float) -> None:
+        self.start_s.setdefault(f"warm:{slug}" if warm else "cold", []).append(seconds)
+
+    def add_load(self, load: Load, prompts: int, seconds: float) -> None:
+        self.load_s.setdefault(f"{load.name}@{prompts}", []).append(seconds)
+
+
+class Estimator:
+    def __init__(self, speed: Speed, layers: int, measured: Measured):
+        self.speed, self.layers, self.measured = speed, layers, measured
+
+    def start_s(self, slug: str, warm: bool) -> float:
+        s = self.speed
+        if warm:
+            seen = self.measured.start_s.get(f"warm:{slug}")
+            return max(seen) if seen else s.warm_start_fixed_s + s.warm_start_per_layer_s * self.layers
+        seen = self.measured.start_s.get("cold")  # any side's cold start: the sides differ little
+        return 1.1 * max(seen) if seen else s.cold_start_fixed_s + s.cold_start_per_layer_s * self.layers
+
+    def load_s(self, load: Load, prompts: int) -> float:
+        seen = self.measured.load_s.get(f"{load.name}@{prompts}")
+        if seen:
+            return max(seen) + LOAD_OVERHEAD_S
+        s = self.speed
+        prefill_s = load.input_len / s.prefill_tokens_per_s
+        if math.isfinite(load.request_rate):
+            busy = prompts / load.request_rate + prefill_s + load.output_len * s.tpot_s
+        else:
+            in_flight = min(prompts, load.max_concurrency or prompts)
+            waves = math.ceil(prompts / in_flight)
+            busy = waves * (in_flight * prefill_s + load.output_len * s.decode_step_s)
+        return busy + LOAD_OVERHEAD_S
+
+    def server_s(self, slug: str, warm: bool, loads: list[Load], scale: float) -> float:
+        return (self.start_s(slug, warm) + sum(self.load_s(ld, scaled_prompts(ld, scale)) for ld in loads)
+                + TEARDOWN_S)  # fmt: skip
+
+
+@dataclass
+class Plan:
+    servers: list  # (index, Side), in start order
+    scale: float  # prompts of every load x scale (loads.scaled_prompts)
+    estimates_s: list[float]
+    budget_s: float
+    reason: str = ""  # why nothing fits, or why the queue was cut
+
+    def to_json(self) -> dict:
+        return {
+            "servers": [{"index": i, "side": side.name, "estimate_s": round(e, 1)}
+                        for (i, side), e in zip(self.servers, self.estimates_s)],  # fmt: skip
+            "prompts_scale": self.scale,
+            "budget_s": round(self.budget_s, 1),
+            "estimated_s": round(sum(self.estimates_s), 1),
+            "reason": self.reason,
+        }
+
+
+def plan(queue: list, budget_s: float, estimator: Estimator, loads: list[Load], warm_slugs: set[str],
+         scale: float = 1.0) -> Plan:  # fmt: skip
+    """The servers of ``queue`` (index, Side) that fit ``budget_s`` in order, at ``scale`` or less."""
+    best = None
+    candidate = scale
+    while candidate >= MIN_SCALE - 1e-9:
+        warm, used, servers, estimates = set(warm_slugs), 0.0, [], []
+        for index, side in queue:
+            need = estimator.server_s(side.slug, side.slug in warm, loads, candidate)
+            if used + need > budget_s:
+                break
+            used += need
+            servers.append((index, side))
+            estimates.append(need)
+            warm.add(side.slug)
+        best = Plan(servers, candidate, estimates, budget_s)
+        if servers:
+            break
+        candidate = round(candidate / 2, 4) if candidate > MIN_SCALE else 0.0
+    if not best.servers and queue:
+        index, side = queue[0]
+        need = estimator.server_s(side.slug, side.slug in warm_slugs, loads, MIN_SCALE)
+        best.reason = f"no server fits: the next ({side.name}) needs ~{need:.0f} s at the fewest prompts, {budget_s:.0f} s left"
+    elif len(best.servers) < len(queue):
+        best.reason = f"{len(queue) - len(best.servers)} more server(s) left for a later call (budget)"
+    return best

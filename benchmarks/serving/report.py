@@ -1,0 +1,200 @@
+"""The report: vLLM's own result files, gathered per load and side, compared, written out.
+
+Every figure is a field of the result JSON that ``vllm bench serve --save-result`` wrote
+(vllm/benchmarks/serve.py, 0.33: ``request_throughput``, ``output_throughput``,
+``median_ttft_ms``, ``p99_ttft_ms``, ...); nothing is recomputed from per-request times.
+Which server, side and load a file belongs to is read from the ``--metadata`` fields the
+benchmark put into it. Per side the report gives the median over its servers and their
+range (min, max), and every server's own value; then each side against the reference
+(``off``), and each ``on@PATH`` baseline against ``on``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+# (vLLM result field, label, better when higher)
+METRICS = (
+    ("request_throughput", "request throughput (req/s)", True),
+    ("output_throughput", "output throughput (tok/s)", True),
+    ("median_ttft_ms", "TTFT p50 (ms)", False),
+    ("p99_ttft_ms", "TTFT p99 (ms)", False),
+    ("median_tpot_ms", "TPOT p50 (ms)", False),
+    ("p99_tpot_ms", "TPOT p99 (ms)", False),
+    ("median_itl_ms", "ITL p50 (ms)", False),
+    ("p99_itl_ms", "ITL p99 (ms)", False),
+)
+LATENCY_FIELDS = tuple(name for name, _, higher in METRICS if not higher)
+FULL_DEPTH = 61
+
+
+def read_results(result_dir: Path) -> list[dict]:
+    """Every vLLM result JSON in ``result_dir`` that carries this benchmark's metadata, sorted by server."""
+    results = []
+    for path in sorted(Path(result_dir).glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and {"server", "side", "load"} <= data.keys():
+            data["_file"] = path.name
+            results.append(data)
+    return sorted(results, key=lambda r: (int(r["server"]), r["load"]))
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def comparison_pairs(sides: list[str]) -> list[tuple[str, str]]:
+    """(side, reference) pairs: every side against ``off`` (else the first side); ``on`` against each baseline."""
+    reference = "off" if "off" in sides else sides[0]
+    pairs = [(s, reference) for s in sides if s != reference]
+    if "on" in sides and reference != "on":
+        pairs += [("on", s) for s in sides if s.startswith("on@")]
+    return pairs
+
+
+def summarize(results: list[dict], sides: list[str], layers: int, prefix_cache: dict | None = None) -> dict:
+    """Per load: per side every server's figures and their spread; the comparisons; problems seen.
+
+    ``prefix_cache``: (server, load) -> the server's prefix-cache token counters over that load.
+    """
+    prefix_cache = prefix_cache or {}
+    loads: dict[str, dict] = {}
+    for r in results:
+        load = loads.setdefault(r["load"], {"sides": {}, "problems": []})
+        server = {"server": int(r["server"]), "file": r["_file"], "completed": r.get("completed"),
+                  "failed": r.get("failed"), "num_prompts": r.get("num_prompts"), "duration_s": r.get("duration")}  # fmt: skip
+        server.update({name: r.get(name) for name, _, _ in METRICS})
+        counters = prefix_cache.get((int(r["server"]), r["load"]))
+        if counters and counters.get("queries"):
+            server["prefix_cache_hit_fraction"] = counters["hits"] / counters["queries"]
+        if r.get("failed") or r.get("completed") != r.get("num_prompts"):
+            load["problems"].append(f"server {r['server']} ({r['side']}): {r.get('completed')} of "
+                                    f"{r.get('num_prompts')} requests completed, {r.get('failed')} failed")  # fmt: skip
+        load["sides"].setdefault(r["side"], {"servers": []})["servers"].append(server)
+    for load in loads.values():
+        for side in load["sides"].values():
+            side["summary"] = {
+                name: _spread(vals)
+                for name, _, _ in METRICS
+                if (vals := [s[name] for s in side["servers"] if isinstance(s.get(name), (int, float))])
+            }
+        load["comparisons"] = []
+        for a, b in comparison_pairs([s for s in sides if s in load["sides"]]):
+            row = {"side": a, "against": b, "metrics": {}}
+            for name, _, _ in METRICS:
+                sa, sb = load["sides"][a]["summary"].get(name), load["sides"][b]["summary"].get(name)
+                if not sa or not sb:
+                    continue
+                m = {"ratio": sa["median"] / sb["median"] if sb["median"] else None,
+                     "delta": sa["median"] - sb["median"]}  # fmt: skip
+                if layers != FULL_DEPTH and name in LATENCY_FIELDS:
+                    # A per-layer change scales with depth; start-up, sampling and the API server do not.
+                    m["delta_scaled_to_61_layers"] = m["delta"] * FULL_DEPTH / layers
+                row["metrics"][name] = m
+            load["comparisons"].append(row)
+    return loads
+
+
+def _cell(summary: dict | None, fmt: str) -> str:
+    if not summary:
+        return "-"
+    text = fmt.format(summary["median"])
+    if summary["n"] > 1:
+        text += f" [{fmt.format(summary['min'])}-{fmt.format(summary['max'])}]"
+    return text
+
+
+def markdown(report: dict) -> str:
+    cfg = report["config"]
+    lines = [
+        f"# Serving benchmark: {cfg['model_description']}",
+        "",
+        f"vLLM's `vllm bench serve` against `vllm serve` ({cfg['server_summary']}). Sides: "
+        + ", ".join(f"`{s}`" for s in cfg["sides"]) + f"; {report['servers_measured']} server(s) measured. "
+        "Each cell: the median over the side's servers [min-max over servers].",
+    ]  # fmt: skip
+    if cfg["layers"] != FULL_DEPTH:
+        lines.append(f"\n**{cfg['layers']} of DeepSeek-V3's 61 layers**: the deltas scaled by 61/{cfg['layers']} "
+                     "(a per-layer change; start-up, sampling and the API server do not scale) are in the JSON "
+                     "(`delta_scaled_to_61_layers`) and in the last column.")  # fmt: skip
+    for name, load in report["loads"].items():
+        sides = [s for s in cfg["sides"] if s in load["sides"]]
+        pairs = load["comparisons"]
+        lines += ["", f"## {name}: {report['config']['loads'].get(name, '')}", ""]
+        header = ["metric", *sides, *[f"{c['side']} / {c['against']}" for c in pairs]]
+        if cfg["layers"] != FULL_DEPTH:
+            header += [f"{c['side']} - {c['against']} at 61 layers" for c in pairs]
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for field, label, _ in METRICS:
+            fmt = "{:.2f}" if "throughput" in field and "request" in field else "{:.1f}"
+            row = [label, *[_cell(load["sides"][s]["summary"].get(field), fmt) for s in sides]]
+            row += [f"{c['metrics'][field]['ratio']:.3f}" if c["metrics"].get(field, {}).get("ratio") else "-"
+                    for c in pairs]  # fmt: skip
+            if cfg["layers"] != FULL_DEPTH:
+                row += [f"{c['metrics'][field]['delta_scaled_to_61_layers']:+.2f}"
+                        if "delta_scaled_to_61_layers" in c["metrics"].get(field, {}) else "-" for c in pairs]  # fmt: skip
+            lines.append("| " + " | ".join(row) + " |")
+        hits = []
+        for s in sides:
+            fractions = [v["prefix_cache_hit_fraction"] for v in load["sides"][s]["servers"]
+                         if "prefix_cache_hit_fraction" in v]  # fmt: skip
+            if fractions:
+                hits.append(f"{s} {', '.join(f'{100 * f:.1f}%' for f in fractions)}")
+        if hits:
+            lines.append(f"\nPrefix-cache hits (share of prompt tokens, per server): {'; '.join(hits)}.")
+        for problem in load["problems"]:
+            lines.append(f"\n**Problem:** {problem}")
+    if report.get("skipped"):
+        lines += ["", "## Not run", ""] + [f"- {s}" for s in report["skipped"]]
+    if report.get("errors"):
+        lines += ["", "## Errors", ""] + [f"- {e}" for e in report["errors"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> str:
+    """A PNG of every metric per load and side (bars: median over servers; dots: each server).
+
+    Returns what was done: the path, or why there is no plot (matplotlib is not part of the
+    test environment; the GPU machine's image has it).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: matplotlib is not installed in this environment"
+    loads = [name for name in report["loads"] if report["loads"][name]["sides"]]
+    if not loads:
+        return "no plot: no results"
+    sides = report["config"]["sides"]
+    fig, axes = plt.subplots(2, 4, figsize=(18, 8))
+    width = 0.8 / len(sides)
+    for ax, (field, label, _) in zip(axes.flat, METRICS):
+        for k, side in enumerate(sides):
+            xs, heights, dots = [], [], []
+            for i, name in enumerate(loads):
+                entry = report["loads"][name]["sides"].get(side)
+                summary = entry and entry["summary"].get(field)
+                if not summary:
+                    continue
+                x = i + (k - (len(sides) - 1) / 2) * width
+                xs.append(x)
+                heights.append(summary["median"])
+                dots += [(x, s[field]) for s in entry["servers"] if isinstance(s.get(field), (int, float))]
+            ax.bar(xs, heights, width, label=side)
+            if dots:
+                ax.plot(*zip(*dots), "k.", markersize=4)
+        ax.set_xticks(range(len(loads)), loads, fontsize=8)
+        ax.set_title(label, fontsize=10)
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(f"vllm bench serve, {report['config']['model_description']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)

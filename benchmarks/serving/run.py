@@ -1,0 +1,498 @@
+"""The driver: plan, then per server: start it, confirm its side, run the client, stop it; report.
+
+``python -m benchmarks.serving --help`` for the options; README.md beside this file for
+what is measured and how to run it on the GPU machine.
+
+The driver never imports vLLM or initialises CUDA: servers and the client are processes
+of their own. Everything it needs again lives in ``--work-dir``: the model directory,
+one compile cache per side (``VLLM_CACHE_ROOT``: an artifact compiled with one side's code
+must never serve another, and a side's second server starts warm), vLLM's result files,
+the logs, and ``state.json`` (servers done, times measured). With ``--resume`` a later
+call continues the same run where the last one stopped, in the same alternating order,
+and reports every server of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import models, report
+from .loads import DEFAULT_LOADS, Load, parse_loads, scaled_prompts
+from .plan import MIN_SCALE, SPEEDS, TEARDOWN_S, Estimator, Measured, plan
+from .server import PortTaken, Server, ServerFailed, ServerSpec, confirm_side, notable_lines
+from .sides import Side, parse_sides, server_order
+
+REPO = Path(__file__).resolve().parents[2]
+REPORT_RESERVE_S = 20.0  # after the last server: the report, the plot, the copies
+SERVED_MODEL = "dsv3-stand-in"
+# vLLM's defaults otherwise (chunked prefill, prefix caching, async scheduling, torch.compile
+# and CUDA graphs, its attention backend); the access log would add a line per request.
+GPU_SERVER_ARGS = ["--load-format", "dummy", "--seed", "0", "--disable-uvicorn-access-log"]
+# vLLM's CPU platform, as tests/vllm_plugin/test_serve.py runs it (the CUDA wheel's missing
+# kernels replaced by demo/cpu_stand_ins.py through demo.serve).
+CPU_SERVER_ARGS = ["--load-format", "dummy", "--seed", "0", "--disable-uvicorn-access-log", "--dtype", "float32",
+                   "--enforce-eager", "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(64 << 20),
+                   "--attention-backend", "CPU_MLA"]  # fmt: skip
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class SideMismatch(RuntimeError):
+    """A server is not the side it was started as: stop, the comparison would be false."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="dense", choices=[*models.MODELS, "tiny"],
+                    help="stand-in (models.py); tiny: the demo's 3-layer model, for the CPU smoke run")  # fmt: skip
+    ap.add_argument("--layers", type=int, default=models.FULL_DEPTH,
+                    help="decoder layers of the stand-in (deltas are also reported scaled to 61)")
+    ap.add_argument("--sides", nargs="+", default=["on", "off"],
+                    help="off, on, on@PATH (another checkout's plugin); the first round starts in this order")
+    ap.add_argument("--servers-per-side", type=int, default=2, help="servers per side over the whole (resumed) run")
+    ap.add_argument("--loads", nargs="+", default=list(DEFAULT_LOADS),
+                    help="preset names (loads.PRESETS) or name=N,in=N,out=N,rate=R[,concurrency=C],prompts=N")
+    ap.add_argument("--prompts-scale", type=float, default=1.0, help="every load's prompts x this (the plan may lower it)")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="wall seconds for this call, report included")
+    ap.add_argument("--out", type=Path, required=True, help="report: serving_<tag>.json/.md/.png and raw/")
+    ap.add_argument("--work-dir", type=Path, default=None, help="model, compile caches, results, state (default OUT/work)")
+    ap.add_argument("--tag", default=None, help="report file names (default: the model)")
+    ap.add_argument("--resume", action="store_true", help="continue the run in --work-dir (same configuration)")
+    ap.add_argument("--cpu", action="store_true", help="vLLM's CPU platform with demo.serve's stand-ins (smoke test)")
+    ap.add_argument("--server-launcher", default=None,
+                    help="the command before the model path that starts a server (shell words; default: `vllm serve` "
+                    "as python -m vllm.entrypoints.cli.main serve, or demo.serve with --cpu); e.g. under py-spy")
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--server-arg", action="append", default=[], help="more `vllm serve` options (shell words)")
+    ap.add_argument("--bench-arg", action="append", default=[], help="more `vllm bench serve` options (shell words)")
+    ap.add_argument("--seed", type=int, default=0, help="the random dataset's seed of the first load (+1 per load)")
+    ap.add_argument("--start-timeout-s", type=float, default=420.0)
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and the command lines; start nothing")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args.side_list = parse_sides(args.sides)
+        args.load_list = parse_loads(args.loads)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.model == "tiny":
+        args.layers = 3
+    if args.servers_per_side < 1 or args.layers < 1 or not 0 < args.prompts_scale <= 10:
+        ap.error("--servers-per-side and --layers must be >= 1, --prompts-scale in (0, 10]")
+    args.work_dir = args.work_dir or args.out / "work"
+    if not args.tag:
+        full = args.model == "tiny" or args.layers == models.FULL_DEPTH
+        args.tag = args.model if full else f"{args.model}{args.layers}"
+    return args
+
+
+def model_config(args) -> dict:
+    if args.model == "tiny":
+        from demo import tiny_model
+
+        return dict(tiny_model.CONFIG, transformers_version="4.33.1")
+    return models.stand_in_config(args.model, args.layers)
+
+
+def run_key(args, config: dict) -> str:
+    """What must match for --resume to add servers to the same comparison (more servers per side may be asked)."""
+    same = {"config": config, "sides": [s.name for s in args.side_list], "loads": [vars(ld) for ld in args.load_list],
+            "cpu": args.cpu, "server_args": args.server_arg,
+            "bench_args": args.bench_arg, "max_model_len": args.max_model_len, "seed": args.seed}  # fmt: skip
+    return hashlib.sha256(json.dumps(same, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class Benchmark:
+    def __init__(self, args):
+        self.args = args
+        self.t0 = time.monotonic()
+        self.deadline = time.time() + args.budget_s - REPORT_RESERVE_S  # wall clock: shared with the client
+        self.work = args.work_dir
+        self.results_dir, self.logs_dir = self.work / "results", self.work / "logs"
+        self.config = model_config(args)
+        self.key = run_key(args, self.config)
+        self.state = self._load_state()
+        self.measured = Measured.from_json(self.state.get("measured"))
+        speed = SPEEDS["tiny-cpu"] if args.cpu else SPEEDS[args.model]
+        self.estimator = Estimator(speed, args.layers, self.measured)
+        self.skipped: list[str] = []
+        self.errors: list[str] = []
+
+    # -- state ----------------------------------------------------------------------
+
+    def _load_state(self) -> dict:
+        path = self.work / "state.json"
+        if self.args.resume and path.is_file():
+            state = json.loads(path.read_text())
+            if state.get("key") == self.key:
+                return state
+            log("resume: the work dir holds another configuration's run; starting a new one")
+        # A new run: earlier results and logs would be mixed into this report; compile caches stay.
+        for d in (self.results_dir, self.logs_dir):
+            shutil.rmtree(d, ignore_errors=True)
+        return {"key": self.key, "servers": [], "measured": {}}
+
+    def _save_state(self) -> None:
+        self.state["measured"] = self.measured.to_json()
+        tmp = self.work / "state.json.tmp"
+        tmp.write_text(json.dumps(self.state, indent=1, default=str))
+        tmp.replace(self.work / "state.json")
+
+    def left_s(self) -> float:
+        return self.deadline - time.time()
+
+    # -- set-up ---------------------------------------------------------------------
+
+    def cache_dir(self, side: Side) -> Path:
+        return self.work / "compile-cache" / side.slug
+
+    def warm_slugs(self) -> set[str]:
+        return {s.slug for s in self.args.side_list if self.cache_dir(s).is_dir() and any(self.cache_dir(s).iterdir())}
+
+    def server_spec(self) -> ServerSpec:
+        a = self.args
+        # -P: the working directory is not put first on sys.path, so a server finds vllm_mla_fusion where
+        # its side's PYTHONPATH says (on@PATH first), never a copy that happens to sit in the cwd.
+        if a.cpu:
+            launcher, options = [sys.executable, "-P", "-m", "demo.serve"], list(CPU_SERVER_ARGS)
+            options += ["--max-model-len", str(min(a.max_model_len, self.config["max_position_embeddings"]))]
+        else:
+            launcher = [sys.executable, "-P", "-m", "vllm.entrypoints.cli.main", "serve"]  # `vllm serve`
+            options = [*GPU_SERVER_ARGS, "--max-model-len", str(a.max_model_len)]
+        options += [w for arg in a.server_arg for w in shlex.split(arg)]
+        if a.server_launcher:
+            launcher = shlex.split(a.server_launcher)
+        return ServerSpec(launcher, str(self.work / "model"), SERVED_MODEL, options, str(self.work))
+
+    def base_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1")
+        # Last on the path: this checkout's demo/ and benchmarks/ (demo.serve, the client) for processes
+        # that do not run from it; anything earlier (the carried vLLM, a baseline checkout) comes first.
+        paths = env.get("PYTHONPATH", "").split(os.pathsep)
+        env["PYTHONPATH"] = os.pathsep.join([p for p in paths if p] + ([str(REPO)] if str(REPO) not in paths else []))
+        if self.args.cpu:
+            # vLLM's model runner launches a few Triton kernels of its own: on a CPU, in Triton's interpreter.
+            env.update(VLLM_TARGET_DEVICE="cpu", CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
+        return env
+
+    def side_env(self, side: Side) -> dict[str, str]:
+        env = side.server_env(self.base_env())
+        env["VLLM_CACHE_ROOT"] = str(self.cache_dir(side))
+        return env
+
+    def plugin_origin(self, side: Side) -> dict:
+        """Which vllm_mla_fusion a server of ``side`` imports (found, not imported), and that checkout's commit."""
+        probe = "import importlib.util as u; s = u.find_spec('vllm_mla_fusion'); print(s.origin if s else '')"
+        out = subprocess.run([sys.executable, "-P", "-c", probe], env=self.side_env(side), cwd=self.server_spec().cwd,
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        origin = out.stdout.strip() or None
+        facts = {"package": origin}
+        if side.checkout is not None:
+            if not origin or not Path(origin).resolve().is_relative_to(side.checkout):
+                raise SideMismatch(f"side {side.name}: a server would import vllm_mla_fusion from {origin}, "
+                                   f"not from {side.checkout}")  # fmt: skip
+            commit_file = side.checkout / "COMMIT"
+            facts["commit"] = commit_file.read_text().strip() if commit_file.is_file() else _git_head(side.checkout)
+        return facts
+
+    # -- the run --------------------------------------------------------------------
+
+    def run(self) -> int:
+        a = self.args
+        log(f"python -m benchmarks.serving {shlex.join(a.argv)}")
+        self.work.mkdir(parents=True, exist_ok=True)
+        a.out.mkdir(parents=True, exist_ok=True)
+        for d in (self.results_dir, self.logs_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        model_dir = self.work / "model"
+        if not (model_dir / "config.json").is_file() or json.loads((model_dir / "config.json").read_text()) != self.config:
+            models.write_model_dir(model_dir, self.config)
+        log(f"model: {self._model_description()}")
+        done = len(self.state["servers"])
+        queue = server_order(a.side_list, a.servers_per_side, first=done)
+        the_plan = plan(queue, self.left_s(), self.estimator, a.load_list, self.warm_slugs(), a.prompts_scale)
+        self.state["plan"] = the_plan.to_json()
+        log(f"plan: {json.dumps(the_plan.to_json())}")
+        if a.dry_run:
+            self._print_commands(the_plan)
+            return 0
+        status = 0
+        if not the_plan.servers and queue:
+            self.errors.append(the_plan.reason)
+            status = 4
+        try:
+            status = self.run_plan(the_plan) or status
+        finally:  # also when the driver is ended (SIGTERM): what was measured is reported
+            self.skipped += [f"server {i} ({s.name}): not in this call's plan ({the_plan.reason})"
+                             for i, s in queue if (i, s) not in the_plan.servers]  # fmt: skip
+            self._save_state()
+            summary = self.write_report()
+        if summary["problems"]:
+            status = status or 1  # requests failed or went missing: the figures describe something else
+        return status
+
+    def run_plan(self, the_plan) -> int:
+        """The planned servers in order, each only if it still fits; 3 on a side mismatch, 1 on an error."""
+        status = 0
+        warm = self.warm_slugs()
+        for position, (index, side) in enumerate(the_plan.servers):
+            # Estimates measured since the plan may say it no longer fits: fewer prompts first, then skip.
+            scale = the_plan.scale
+            while (need := self.estimator.server_s(side.slug, side.slug in warm, self.args.load_list, scale)) > \
+                    self.left_s() and scale > MIN_SCALE:
+                scale = max(MIN_SCALE, scale / 2)
+            if need > self.left_s():
+                self.skipped.append(f"server {index} ({side.name}): ~{need:.0f} s needed, {self.left_s():.0f} s left")
+                log(f"deadline: not starting server {index} ({side.name})")
+                continue
+            if scale != the_plan.scale:
+                log(f"server {index} ({side.name}): prompts x {scale:g} to fit the time left")
+            try:
+                record = self.run_server(index, side, side.slug in warm, scale)
+            except SideMismatch as e:
+                self.errors.append(str(e))
+                log(f"FAILED: {e}")
+                self.skipped += [f"server {i} ({s.name}): not started after the side mismatch"
+                                 for i, s in the_plan.servers[position + 1 :]]  # fmt: skip
+                return 3
+            warm.add(side.slug)
+            if "error" in record:
+                self.errors.append(f"server {index} ({side.name}): {record['error']}")
+                status = 1
+        return status
+
+    def run_server(self, index: int, side: Side, warm: bool, scale: float) -> dict:
+        """One server from start to teardown; its record (also kept in the state). Whatever happens,
+        the server's and the client's process groups are gone when this returns or raises."""
+        record = {"index": index, "side": side.name, "slug": side.slug, "warm_cache": warm, "prompts_scale": scale,
+                  "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+        self.state["servers"].append(record)
+        record["plugin_origin"] = self.plugin_origin(side) if side.plugin else None
+        self.cache_dir(side).mkdir(parents=True, exist_ok=True)
+        server = client = None
+        try:
+            server, client = self._start(index, side, warm, scale, record)
+            record["plugin"] = confirm_side(side, server.log())
+            (self.work / f"go-{index:02d}").touch()
+            try:
+                client.wait(timeout=max(self.deadline - time.time(), 1.0))
+            except subprocess.TimeoutExpired:
+                record["late"] = "the client ran past the deadline and was stopped"
+            record["client_exit"] = client.poll()
+            record["loads"] = self.read_progress(index, side)
+            for entry in record["loads"]:
+                if "error" in entry:
+                    record.setdefault("error", f"load {entry['load']}: {entry['error']}")
+                if "skipped" in entry:
+                    self.skipped.append(f"server {index} ({side.name}) load {entry['load']}: {entry['skipped']}")
+        except ServerFailed as e:
+            record["error"] = str(e)[:4000]
+            if "plugin" not in record and "start_s" in record:  # healthy, but not the side it should be
+                raise SideMismatch(str(e)) from e
+        finally:
+            if client is not None:
+                self._stop_client(client, index)
+            if server is not None:
+                record["log_lines"] = notable_lines(server.log())
+                record["teardown_s"] = server.stop()
+            self._save_state()
+        log(f"server {index} ({side.name}): done, {len(record.get('loads', []))} load(s), "
+            f"teardown {record.get('teardown_s', 0):.1f} s")  # fmt: skip
+        return record
+
+    def _start(self, index: int, side: Side, warm: bool, scale: float, record: dict) -> tuple[Server, subprocess.Popen]:
+        """The server and its client (which imports vLLM while the server starts), once /health answers."""
+        log_path = self.logs_dir / f"server-{index:02d}-{side.slug}.log"
+        for _attempt in range(3):
+            server = Server(self.server_spec(), side, self.side_env(side), log_path)
+            client = self.start_client(index, side, server.port, scale)
+            log(f"server {index} ({side.name}): starting on port {server.port}, {'warm' if warm else 'cold'} compile cache")
+            try:
+                record["start_s"] = server.wait_healthy(min(self.args.start_timeout_s, max(self.left_s(), 1.0)))
+            except ServerFailed as e:
+                self._stop_client(client, index)
+                record["log_lines"] = notable_lines(server.log())
+                server.stop()
+                if isinstance(e, PortTaken):
+                    continue
+                raise
+            record["port"] = server.port
+            self.measured.add_start(side.slug, warm, record["start_s"])
+            log(f"server {index} ({side.name}): healthy after {record['start_s']:.1f} s")
+            return server, client
+        raise ServerFailed("three ports in a row were taken before the server bound them")
+
+    def client_spec(self, index: int, side: Side, port: int, scale: float) -> dict:
+        a = self.args
+        loads = []
+        for k, load in enumerate(a.load_list):
+            prompts = scaled_prompts(load, scale)
+            name = f"{index:02d}-{side.slug}-{load.name}"
+            metadata = {"server": index, "side": side.name, "load": load.name, "model": a.model, "layers": a.layers}
+            args = load.bench_args(
+                served_model=SERVED_MODEL, tokenizer=str(self.work / "model"), port=port, seed=a.seed + k,
+                prompts=prompts, result_dir=str(self.results_dir if load.measured else self.work / "warmup"),
+                result_filename=f"{name}.json", metadata=metadata,
+                extra=tuple(w for arg in a.bench_arg for w in shlex.split(arg)),
+            )  # fmt: skip
+            loads.append({"name": load.name, "prompts": prompts, "args": args,
+                          "estimate_s": self.estimator.load_s(load, prompts)})  # fmt: skip
+        return {
+            "port": port,
+            "loads": loads,
+            "deadline": self.deadline - TEARDOWN_S,
+            "go_file": str(self.work / f"go-{index:02d}"),
+            "stop_file": str(self.work / f"stop-{index:02d}"),
+            "progress": str(self.logs_dir / f"progress-{index:02d}.jsonl"),
+        }
+
+    def start_client(self, index: int, side: Side, port: int, scale: float) -> subprocess.Popen:
+        spec = self.client_spec(index, side, port, scale)
+        for name in ("go_file", "stop_file", "progress"):
+            Path(spec[name]).unlink(missing_ok=True)
+        spec_path = self.logs_dir / f"client-{index:02d}.json"
+        spec_path.write_text(json.dumps(spec, indent=1))
+        out = open(self.logs_dir / f"client-{index:02d}.log", "w")
+        # The client runs in the driver's environment (no side switch: it never loads the plugin).
+        return subprocess.Popen([sys.executable, "-m", "benchmarks.serving.client", str(spec_path)], cwd=REPO,
+                                env=self.base_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+    def _stop_client(self, client: subprocess.Popen, index: int) -> None:
+        (self.work / f"stop-{index:02d}").touch()
+        if client.poll() is None:
+            os.killpg(client.pid, signal.SIGTERM)  # the group start_client made
+            try:
+                client.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(client.pid, signal.SIGKILL)
+                client.wait()
+
+    def read_progress(self, index: int, side: Side) -> list[dict]:
+        path = self.logs_dir / f"progress-{index:02d}.jsonl"
+        if not path.is_file():
+            return []
+        entries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        loads = [e for e in entries if e.get("event") == "load"]
+        by_name = {ld.name: ld for ld in self.args.load_list}
+        for entry in loads:
+            result = self.results_dir / f"{index:02d}-{side.slug}-{entry['load']}.json"
+            if "wall_s" in entry and "error" not in entry and entry["load"] in by_name:
+                duration = _json_field(result, "duration") if by_name[entry["load"]].measured else None
+                self.measured.add_load(by_name[entry["load"]], entry["prompts"], duration or entry["wall_s"])
+        return loads
+
+    # -- output ---------------------------------------------------------------------
+
+    def _model_description(self) -> str:
+        if self.args.model == "tiny":
+            return "the demo's tiny DeepSeek-V3-architecture model (3 layers), vLLM's CPU platform"
+        return f"{models.MODELS[self.args.model]}; {models.describe(self.config)}"
+
+    def _print_commands(self, the_plan) -> None:
+        spec = self.server_spec()
+        for index, side in the_plan.servers:
+            env = {k: v for k, v in self.side_env(side).items() if k.startswith("VLLM_") or k == "PYTHONPATH"}
+            print(f"server {index} ({side.name}): {' '.join(f'{k}={v}' for k, v in sorted(env.items()))} "
+                  f"{shlex.join([*spec.launcher, spec.model_dir, '--served-model-name', spec.served_model, *spec.args])}")  # fmt: skip
+            for load in self.client_spec(index, side, 8000, the_plan.scale)["loads"]:
+                print(f"  vllm bench serve {shlex.join(load['args'])}   (~{load['estimate_s']:.0f} s)")
+
+    def write_report(self) -> dict:
+        a = self.args
+        servers = self.state["servers"]
+        prefix_cache = {}
+        for s in servers:
+            for entry in s.get("loads", []):
+                if "prefix_cache" in entry:
+                    prefix_cache[(s["index"], entry["load"])] = entry["prefix_cache"]
+        sides = [s.name for s in a.side_list]
+        out = {
+            "config": {
+                "model": a.model, "layers": a.layers, "model_description": self._model_description(),
+                "model_config": self.config, "sides": sides, "servers_per_side": a.servers_per_side,
+                "loads": {ld.name: ld.describe() for ld in a.load_list if ld.measured},
+                "server_command": shlex.join([*self.server_spec().launcher, "MODEL", *self.server_spec().args]),
+                "server_summary": "CPU platform, demo.serve" if a.cpu else "vLLM defaults, dummy weights",
+                "bench_args": a.bench_arg, "seed": a.seed, "budget_s": a.budget_s,
+            },  # fmt: skip
+            "environment": _environment(),
+            "plan": self.state.get("plan"),
+            "servers": servers,
+            "servers_measured": sum(1 for s in servers if s.get("loads")),
+            "servers_per_side_measured": {n: sum(1 for s in servers if s["side"] == n and s.get("loads")) for n in sides},
+            "loads": report.summarize(report.read_results(self.results_dir), sides, a.layers, prefix_cache),
+            "problems": [],
+            "measured_times": self.measured.to_json(),
+            "skipped": self.skipped,
+            "errors": self.errors,
+            "elapsed_s": time.monotonic() - self.t0,
+        }
+        out["problems"] = [f"{name}: {p}" for name, load in out["loads"].items() for p in load["problems"]]
+        base = a.out / f"serving_{a.tag}"
+        out["plot"] = "not asked for (--no-plot)" if a.no_plot else report.plot(out, base.with_suffix(".png"))
+        log(out["plot"])
+        base.with_suffix(".json").write_text(json.dumps(out, indent=1, default=str))
+        markdown = report.markdown(out)
+        base.with_suffix(".md").write_text(markdown)
+        # The raw material beside the report: vLLM's own result files, server and client logs.
+        raw = a.out / f"serving_{a.tag}_raw"
+        shutil.rmtree(raw, ignore_errors=True)
+        shutil.copytree(self.results_dir, raw / "results")
+        shutil.copytree(self.logs_dir, raw / "logs")
+        print(markdown, flush=True)
+        return out
+
+
+def _json_field(path: Path, name: str):
+    try:
+        return json.loads(path.read_text()).get(name)
+    except (OSError, ValueError):
+        return None
+
+
+def _git_head(path: Path) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _environment() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    env = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "python": sys.version.split()[0],
+           "argv": sys.argv, "git_commit": _git_head(REPO)}  # fmt: skip
+    for name in ("vllm", "torch", "triton", "transformers"):
+        try:
+            env[name] = version(name)
+        except PackageNotFoundError:
+            env[name] = None
+    try:
+        env["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                                    capture_output=True, text=True, timeout=20).stdout.strip() or None  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        env["gpu"] = None
+    env["variables"] = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "HF_")) and "TOKEN" not in k}
+    return env
+
+
+def main(argv=None) -> int:
+    # The GPU script's timeout ends the driver with SIGTERM: unwind, so that every server and
+    # client is stopped (their process groups are their own) and the state is saved.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return Benchmark(parse_args(argv)).run()

@@ -1,0 +1,172 @@
+"""One ``vllm serve`` process: start, wait until healthy, confirm the side from its log, stop.
+
+The plugin says what it did in one INFO line per process that built the model:
+``vllm-mla-fusion (rank 0, local rank 0): MLA layers use the fused RoPE + KV-cache write
+(backend triton, mode decode)`` (older checkouts write it without the parenthesised rank).
+A server of a plugin side must show it and no fallback warning; an ``off`` server must not
+show it. Anything else means the comparison would not compare what it says, so
+``confirm_side`` raises and the benchmark stops.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from .sides import Side
+
+FUSED_LINE = re.compile(
+    r"vllm-mla-fusion(?: \((?P<rank>[^)]*)\))?: MLA layers use the fused RoPE \+ KV-cache write "
+    r"\(backend (?P<backend>[\w-]+), mode (?P<mode>[\w-]+)\)"
+)
+FALLBACK_LINE = re.compile(r"vllm-mla-fusion[^\n]*setting up the fused MLA path failed[^\n]*")
+# Lines worth keeping in the report: what vLLM chose and sized (attention and MoE backends,
+# KV cache, compile and graph capture times).
+NOTABLE_LINE = re.compile(
+    r"(attention backend|Using \S+ backend|MoE|moe|KV cache size|Maximum concurrency|torch\.compile take|"
+    r"Graph capturing finished|Model loading took|init engine|vllm-mla-fusion)"
+)
+HEALTH_POLL_S = 1.0
+
+
+class ServerFailed(RuntimeError):
+    """The server exited, never became healthy, or is not the side it should be."""
+
+
+class PortTaken(ServerFailed):
+    """Another process bound the chosen port before the server did: try another."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def confirm_side(side: Side, log: str) -> dict:
+    """What the log says about the plugin, checked against ``side``; ServerFailed if they disagree."""
+    fused = [m.groupdict() for m in FUSED_LINE.finditer(log)]
+    fallback = FALLBACK_LINE.findall(log)
+    facts = {"fused_lines": fused, "fallback_lines": fallback}
+    if side.plugin:
+        if not fused:
+            raise ServerFailed(f"side {side.name}: the plugin's line 'MLA layers use the fused RoPE + KV-cache write' "
+                               "is missing from the server log: the plugin did not run")  # fmt: skip
+        if fallback:
+            raise ServerFailed(f"side {side.name}: the plugin fell back to vLLM's path: {fallback[0]}")
+    elif fused:
+        raise ServerFailed(f"side {side.name}: the server log says the plugin ran ({fused[0]}), with it switched off")
+    return facts
+
+
+def notable_lines(log: str, limit: int = 40) -> list[str]:
+    out = []
+    for line in log.splitlines():
+        if NOTABLE_LINE.search(line) and line not in out:
+            out.append(line.strip()[:300])
+            if len(out) == limit:
+                break
+    return out
+
+
+def prefix_cache_counters(port: int, timeout_s: float = 5.0) -> dict[str, float] | None:
+    """vLLM's prefix-cache counters from /metrics (tokens queried and hit, summed over engines)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    return parse_prefix_cache_counters(text)
+
+
+def parse_prefix_cache_counters(metrics_text: str) -> dict[str, float]:
+    totals = {"queries": 0.0, "hits": 0.0}
+    for line in metrics_text.splitlines():
+        m = re.match(r"vllm:prefix_cache_(queries|hits)_total(?:\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if m:
+            totals[m.group(1)] += float(m.group(2))
+    return totals
+
+
+@dataclass
+class ServerSpec:
+    """How to start a server; the same for every side but its environment."""
+
+    launcher: list[str]  # the command before the model path: vllm serve, or demo.serve on a CPU
+    model_dir: str
+    served_model: str
+    args: list[str]  # vLLM options after the model path (dummy weights, lengths, extra options)
+    cwd: str
+
+
+class Server:
+    """``vllm serve`` in its own process group (so that teardown reaches the engine core)."""
+
+    def __init__(self, spec: ServerSpec, side: Side, env: dict[str, str], log_path: Path, port: int | None = None):
+        self.side = side
+        self.port = port or free_port()
+        self.log_path = log_path
+        self.command = [*spec.launcher, spec.model_dir, "--served-model-name", spec.served_model,
+                        "--host", "127.0.0.1", "--port", str(self.port), *spec.args]  # fmt: skip
+        self._log = open(log_path, "w")
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(self.command, cwd=spec.cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)  # fmt: skip
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self, timeout_s: float) -> float:
+        """Seconds from launch to a 200 from /health; ServerFailed (PortTaken) if it exits or times out."""
+        deadline = self.started + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                log = self.log()
+                if "Address already in use" in log:
+                    raise PortTaken(f"port {self.port} was taken")
+                raise ServerFailed(f"server exited with {self.proc.returncode} while starting:\n{log[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return time.monotonic() - self.started
+            except OSError:
+                pass
+            time.sleep(HEALTH_POLL_S)
+        raise ServerFailed(f"server not healthy after {timeout_s:.0f} s:\n{self.log()[-3000:]}")
+
+    def stop(self, grace_s: float = 30.0) -> float:
+        """SIGINT (vLLM shuts its engine core down), then SIGKILL to what is left of the group."""
+        t = time.monotonic()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # The group's other processes (engine core, workers) may outlive the API server briefly;
+        # the next server needs their GPU memory.
+        deadline = time.monotonic() + grace_s
+        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if _group_alive(self.proc.pid):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the group this Server started
+        self.proc.wait()
+        self._log.close()
+        return time.monotonic() - t
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

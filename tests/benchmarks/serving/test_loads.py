@@ -1,0 +1,73 @@
+"""benchmarks/serving/loads.py: the loads, and their `vllm bench serve` command lines as vLLM's parser reads them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks.serving.loads import DEFAULT_LOADS, PRESETS, Load, parse_load, parse_loads, scaled_prompts
+
+
+def test_the_issues_loads_are_the_presets():
+    assert (PRESETS["rate4"].input_len, PRESETS["rate4"].output_len, PRESETS["rate4"].request_rate) == (1024, 128, 4)
+    assert (PRESETS["rate16"].input_len, PRESETS["rate16"].output_len, PRESETS["rate16"].request_rate) == (1024, 128, 16)
+    sat = PRESETS["saturate"]
+    assert (sat.input_len, sat.output_len, math.isinf(sat.request_rate)) == (512, 256, True)
+    assert 64 <= sat.max_concurrency <= 128
+    assert (PRESETS["prefill"].input_len, PRESETS["prefill"].output_len) == (4096, 32)
+    assert DEFAULT_LOADS[0] == "warmup" and not PRESETS["warmup"].measured
+
+
+def test_a_load_written_out():
+    load = parse_load("name=short,in=64,out=8,rate=inf,concurrency=4,prompts=6")
+    assert load == Load("short", 64, 8, math.inf, prompts=6, max_concurrency=4)
+    assert parse_load("name=w,in=8,out=2,rate=2,prompts=3,warmup=1").measured is False
+    assert parse_load("rate16") is PRESETS["rate16"]
+
+
+@pytest.mark.parametrize("text", ["nosuch", "name=x,in=64,out=8,rate=4", "name=x,in=64,out=8,rate=4,prompts=0",
+                                  "name=x,in=64,out=8,rate=0,prompts=4", "name=a/b,in=1,out=1,rate=1,prompts=1",
+                                  "name=x,in=64,out=8,rate=4,prompts=4,colour=red", "name=x,in64"])  # fmt: skip
+def test_bad_loads_are_refused(text):
+    with pytest.raises(ValueError):
+        parse_load(text)
+
+
+def test_load_lists():
+    with pytest.raises(ValueError, match="twice"):
+        parse_loads(["rate4", "rate4"])
+    with pytest.raises(ValueError, match="nothing would be measured"):
+        parse_loads(["warmup"])
+
+
+def test_scaling_keeps_a_wave():
+    assert scaled_prompts(PRESETS["rate16"], 0.5) == 100
+    assert scaled_prompts(PRESETS["saturate"], 0.01) == 64  # one wave of its concurrency at least
+    assert scaled_prompts(PRESETS["rate4"], 0.001) == 4
+
+
+def _args(load, **kw):
+    return load.bench_args(served_model="m", tokenizer="/model", port=8123, seed=7, prompts=kw.pop("prompts", 50),
+                           result_dir="/r", result_filename="01-off-rate4.json",
+                           metadata={"server": 1, "side": "on@/x=y", "load": load.name}, **kw)  # fmt: skip
+
+
+@pytest.mark.vllm
+def test_vllm_bench_serve_reads_the_arguments_as_meant():
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    a = parser.parse_args(_args(PRESETS["saturate"], extra=("--ready-check-timeout-sec", "5")))
+    assert (a.backend, a.host, a.port, a.model, a.tokenizer) == ("openai", "127.0.0.1", 8123, "m", "/model")
+    assert (a.dataset_name, a.random_input_len, a.random_output_len, a.num_prompts) == ("random", 512, 256, 50)
+    assert math.isinf(a.request_rate) and a.max_concurrency == 64 and a.seed == 7
+    assert a.ignore_eos and a.temperature == 0 and a.save_result and a.disable_tqdm
+    assert (a.result_dir, a.result_filename) == ("/r", "01-off-rate4.json")
+    assert a.percentile_metrics == "ttft,tpot,itl,e2el" and a.metric_percentiles == "50,99"
+    assert a.metadata == ["server=1", "side=on@/x=y", "load=saturate"]  # vLLM splits at the first '='
+    assert a.ready_check_timeout_sec == 5
+    paced = parser.parse_args(_args(PRESETS["rate4"]))
+    assert paced.request_rate == 4.0 and paced.max_concurrency is None

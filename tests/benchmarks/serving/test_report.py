@@ -1,0 +1,136 @@
+"""benchmarks/serving/report.py: vLLM's result files gathered per load and side, compared, written out."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from benchmarks.serving import report
+
+from .conftest import vllm_result
+
+VLLM_SERVE = Path(importlib.util.find_spec("vllm").origin).parent / "benchmarks" / "serve.py" if importlib.util.find_spec("vllm") else None
+
+
+def _two_per_side():
+    # on: TTFT 120 and 130, off: 100 and 110; off servers are 1 and 2 (order on, off, off, on)
+    return [
+        vllm_result(0, "on", "rate4", ttft_ms=120.0, tpot_ms=21.0, req_s=3.9),
+        vllm_result(1, "off", "rate4", ttft_ms=100.0, tpot_ms=20.0, req_s=4.0),
+        vllm_result(2, "off", "rate4", ttft_ms=110.0, tpot_ms=22.0, req_s=4.0),
+        vllm_result(3, "on", "rate4", ttft_ms=130.0, tpot_ms=23.0, req_s=3.9),
+        vllm_result(0, "on", "saturate", tok_s=9000.0),
+        vllm_result(1, "off", "saturate", tok_s=8000.0),
+    ]
+
+
+def test_each_side_gets_its_own_servers_figures_and_their_spread(write_results):
+    results = report.read_results(write_results(_two_per_side()))
+    loads = report.summarize(results, ["on", "off"], layers=61)
+    on, off = loads["rate4"]["sides"]["on"], loads["rate4"]["sides"]["off"]
+    assert [s["server"] for s in on["servers"]] == [0, 3]
+    assert [s["server"] for s in off["servers"]] == [1, 2]
+    assert on["summary"]["median_ttft_ms"] == {"median": 125.0, "min": 120.0, "max": 130.0, "n": 2}
+    assert off["summary"]["median_ttft_ms"] == {"median": 105.0, "min": 100.0, "max": 110.0, "n": 2}
+    assert off["summary"]["p99_ttft_ms"]["max"] == pytest.approx(330.0)
+    assert on["summary"]["median_tpot_ms"]["median"] == pytest.approx(22.0)
+    assert loads["saturate"]["sides"]["on"]["summary"]["output_throughput"]["n"] == 1
+
+
+def test_the_comparison_is_on_against_off(write_results):
+    loads = report.summarize(report.read_results(write_results(_two_per_side())), ["on", "off"], layers=61)
+    (row,) = loads["rate4"]["comparisons"]
+    assert (row["side"], row["against"]) == ("on", "off")
+    assert row["metrics"]["median_ttft_ms"]["ratio"] == pytest.approx(125.0 / 105.0)
+    assert row["metrics"]["median_ttft_ms"]["delta"] == pytest.approx(20.0)
+    assert row["metrics"]["request_throughput"]["ratio"] == pytest.approx(3.9 / 4.0)
+    assert "delta_scaled_to_61_layers" not in row["metrics"]["median_ttft_ms"]  # the full depth: nothing to scale
+    assert loads["saturate"]["comparisons"][0]["metrics"]["output_throughput"]["ratio"] == pytest.approx(9 / 8)
+
+
+def test_a_baseline_checkout_is_compared_with_off_and_with_on():
+    assert report.comparison_pairs(["on", "off", "on@/b"]) == [("on", "off"), ("on@/b", "off"), ("on", "on@/b")]
+    assert report.comparison_pairs(["on", "on@/b"]) == [("on@/b", "on")]  # no off: against the first side, once
+
+
+def test_a_shorter_model_scales_latency_deltas_to_61_layers(write_results):
+    results = report.read_results(write_results(_two_per_side()))
+    loads = report.summarize(results, ["on", "off"], layers=20)
+    metrics = loads["rate4"]["comparisons"][0]["metrics"]
+    assert metrics["median_ttft_ms"]["delta_scaled_to_61_layers"] == pytest.approx(20.0 * 61 / 20)
+    assert "delta_scaled_to_61_layers" not in metrics["request_throughput"]  # throughput does not scale per layer
+
+
+def test_failed_or_missing_requests_are_problems(write_results):
+    results = report.read_results(write_results([vllm_result(0, "on", "rate4", completed=97, failed=3),
+                                                 vllm_result(1, "off", "rate4")]))  # fmt: skip
+    loads = report.summarize(results, ["on", "off"], layers=61)
+    assert loads["rate4"]["problems"] == ["server 0 (on): 97 of 100 requests completed, 3 failed"]
+
+
+def test_files_without_the_benchmarks_metadata_are_not_read(write_results, tmp_path):
+    folder = write_results([vllm_result(0, "on", "rate4")])
+    stray = vllm_result(5, "off", "rate4")
+    del stray["server"]  # a result file of some other vllm bench serve run
+    (folder / "other.json").write_text(json.dumps(stray))
+    (folder / "broken.json").write_text("{")
+    assert [r["_file"] for r in report.read_results(folder)] == ["00-on-rate4.json"]
+
+
+def test_prefix_cache_share_per_server(write_results):
+    results = report.read_results(write_results(_two_per_side()))
+    counters = {(0, "rate4"): {"queries": 1000.0, "hits": 250.0}, (1, "rate4"): {"queries": 0.0, "hits": 0.0}}
+    loads = report.summarize(results, ["on", "off"], layers=61, prefix_cache=counters)
+    servers = {s["server"]: s for side in loads["rate4"]["sides"].values() for s in side["servers"]}
+    assert servers[0]["prefix_cache_hit_fraction"] == 0.25
+    assert "prefix_cache_hit_fraction" not in servers[1]  # nothing queried: no share
+
+
+def _report(loads, layers=61, sides=("on", "off")):
+    return {"config": {"model_description": "stand-in", "server_summary": "defaults", "sides": list(sides),
+                       "layers": layers, "loads": {"rate4": "1024 in / 128 out, 4 req/s, 100 prompts"}},
+            "servers_measured": 4, "loads": loads, "skipped": ["server 4 (on): budget"], "errors": []}  # fmt: skip
+
+
+def test_markdown_table_has_a_row_per_metric_and_the_spread(write_results):
+    loads = report.summarize(report.read_results(write_results(_two_per_side())), ["on", "off"], layers=61)
+    md = report.markdown(_report(loads))
+    assert "| metric | on | off | on / off |" in md
+    row = next(line for line in md.splitlines() if line.startswith("| TTFT p50 (ms)"))
+    assert row == "| TTFT p50 (ms) | 125.0 [120.0-130.0] | 105.0 [100.0-110.0] | 1.190 |"
+    assert sum(line.startswith("| ") for line in md.split("## saturate")[0].splitlines()) == 1 + len(report.METRICS)
+    assert "server 4 (on): budget" in md
+
+
+def test_markdown_of_a_shorter_model_has_the_scaled_column(write_results):
+    loads = report.summarize(report.read_results(write_results(_two_per_side())), ["on", "off"], layers=20)
+    md = report.markdown(_report(loads, layers=20))
+    row = next(line for line in md.splitlines() if line.startswith("| TTFT p50 (ms)"))
+    assert row.endswith(f"| {20.0 * 61 / 20:+.2f} |")
+
+
+def test_plot_or_a_clear_message(write_results, tmp_path):
+    loads = report.summarize(report.read_results(write_results(_two_per_side())), ["on", "off"], layers=61)
+    got = report.plot(_report(loads), tmp_path / "p.png")
+    if importlib.util.find_spec("matplotlib") is None:
+        assert got == "no plot: matplotlib is not installed in this environment"
+    else:
+        assert got == str(tmp_path / "p.png") and (tmp_path / "p.png").stat().st_size > 10_000
+
+
+@pytest.mark.skipif(VLLM_SERVE is None, reason="needs vLLM 0.33.0 installed (its benchmark's source)")
+def test_the_fields_read_are_the_ones_vllm_writes():
+    """The report's fields against vllm/benchmarks/serve.py itself: a rename in vLLM fails here."""
+    source = VLLM_SERVE.read_text()
+    for name in ("request_throughput", "output_throughput", "completed", "failed", "num_prompts", "duration"):
+        assert re.search(rf'"{name}"', source), name
+    # Percentile fields are formatted: median_<metric>_ms and p<percentile>_<metric>_ms.
+    assert 'result[f"median_{metric_attribute_name}_ms"]' in source
+    assert 'result[f"p{p_word}_{metric_attribute_name}_ms"]' in source
+    for name, _, _ in report.METRICS:
+        m = re.fullmatch(r"(median|p99)_(ttft|tpot|itl)_ms|request_throughput|output_throughput", name)
+        assert m, name

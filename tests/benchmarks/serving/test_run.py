@@ -1,0 +1,139 @@
+"""benchmarks/serving/run.py: options, the plan printed, resuming, and failing loudly on a server of the wrong side."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.serving import run
+
+FAKE = Path(__file__).with_name("fake_vllm_serve.py")
+# A tiny model against the fake server: the client is never let loose on it (it cannot complete).
+FAKE_RUN = ["--model", "tiny", "--cpu", "--no-plot", "--servers-per-side", "1", "--budget-s", "300",
+            "--loads", "name=few,in=8,out=2,rate=inf,prompts=2", "--server-launcher", f"{sys.executable} {FAKE}"]
+
+
+def test_defaults(tmp_path):
+    a = run.parse_args(["--out", str(tmp_path)])
+    assert (a.model, a.layers, a.sides, a.servers_per_side, a.tag) == ("dense", 61, ["on", "off"], 2, "dense")
+    assert [ld.name for ld in a.load_list] == ["warmup", "rate4", "rate16", "saturate", "prefill"]
+    assert a.work_dir == tmp_path / "work"
+    assert run.parse_args(["--out", str(tmp_path), "--model", "fp8-moe", "--layers", "20"]).tag == "fp8-moe20"
+    assert run.parse_args(["--out", str(tmp_path), "--model", "tiny"]).layers == 3
+
+
+@pytest.mark.parametrize("bad", [["--sides", "on"], ["--sides", "on", "sideways"], ["--loads", "nosuch"],
+                                 ["--servers-per-side", "0"], ["--model", "gpt"], ["--prompts-scale", "0"]])  # fmt: skip
+def test_bad_options_are_refused(tmp_path, bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        run.parse_args(["--out", str(tmp_path), *bad])
+    assert e.value.code == 2
+
+
+def test_dry_run_prints_each_servers_command_and_loads(tmp_path, capsys):
+    assert run.main(["--out", str(tmp_path), "--dry-run", "--layers", "4", "--budget-s", "1000", "--server-arg", "--kv-cache-dtype fp8",
+                     "--bench-arg", "--ready-check-timeout-sec 3"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    servers = [ln for ln in lines if ln.startswith("server ")]
+    assert [ln.split(":")[0] for ln in servers] == ["server 0 (on)", "server 1 (off)", "server 2 (off)", "server 3 (on)"]
+    assert "VLLM_MLA_FUSION=1" in servers[0] and "VLLM_MLA_FUSION=0" in servers[1]
+    assert "vllm.entrypoints.cli.main serve" in servers[0] and "--load-format dummy" in servers[0]
+    assert servers[0].endswith("--kv-cache-dtype fp8")
+    assert "compile-cache/on " in servers[0] and "compile-cache/off " in servers[1]  # one compile cache per side
+    benches = [ln for ln in lines if ln.strip().startswith("vllm bench serve")]
+    assert len(benches) == 4 * 5
+    seeds = [shlex.split(b)[shlex.split(b).index("--seed") + 1] for b in benches[:5]]
+    assert seeds == ["0", "1", "2", "3", "4"]  # every load its own prompts
+    assert all("--ready-check-timeout-sec 3" in b for b in benches)
+    config = json.loads((tmp_path / "work" / "model" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 4 and (tmp_path / "work" / "model" / "tokenizer.json").is_file()
+
+
+def test_resume_continues_only_the_same_configuration(tmp_path):
+    argv = ["--out", str(tmp_path), "--resume", "--layers", "4"]
+    bench = run.Benchmark(run.parse_args(argv))
+    bench.work.mkdir(parents=True)
+    bench.state["servers"].append({"index": 0, "side": "on"})
+    bench.measured.add_start("on", warm=False, seconds=99.0)
+    bench._save_state()
+    (bench.results_dir).mkdir()
+    (bench.results_dir / "00-on-rate4.json").write_text("{}")
+    again = run.Benchmark(run.parse_args(argv))
+    assert again.state["servers"] == [{"index": 0, "side": "on"}] and again.measured.start_s == {"cold": [99.0]}
+    assert (again.results_dir / "00-on-rate4.json").is_file()
+    other = run.Benchmark(run.parse_args([*argv, "--sides", "off", "on"]))  # another comparison: a new run
+    assert other.state["servers"] == [] and not other.results_dir.exists()
+    fresh = run.Benchmark(run.parse_args(argv[:2] + argv[3:]))  # no --resume: a new run
+    assert fresh.state["servers"] == []
+
+
+def test_nothing_fits_the_budget(tmp_path):
+    status = run.main(["--out", str(tmp_path), "--budget-s", "60", "--layers", "4", "--no-plot"])
+    assert status == 4
+    data = json.loads((tmp_path / "serving_dense4.json").read_text())
+    assert data["errors"][0].startswith("no server fits") and data["servers"] == []
+
+
+@pytest.mark.vllm
+def test_a_server_of_the_wrong_side_stops_the_benchmark(tmp_path, monkeypatch):
+    """The off server logs the plugin's line (a switch that does not switch): exit 3, said in the report."""
+    monkeypatch.setenv("FAKE_SERVE_LINE", "always")
+    status = run.main(["--out", str(tmp_path), "--sides", "off", "on", *FAKE_RUN])
+    assert status == 3
+    data = json.loads((tmp_path / "serving_tiny.json").read_text())
+    assert [s["index"] for s in data["servers"]] == [0]  # the on server never started
+    assert "the server log says the plugin ran" in data["errors"][0]
+    assert "## Errors" in (tmp_path / "serving_tiny.md").read_text()
+    log = (tmp_path / "serving_tiny_raw" / "logs" / "server-00-off.log").read_text()
+    assert "vllm-mla-fusion (rank 0, local rank 0)" in log
+
+
+@pytest.mark.vllm
+def test_a_plugin_that_did_not_load_stops_the_benchmark(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_SERVE_LINE", "never")
+    status = run.main(["--out", str(tmp_path), *FAKE_RUN])
+    assert status == 3
+    data = json.loads((tmp_path / "serving_tiny.json").read_text())
+    assert data["servers"][0]["side"] == "on" and "is missing from the server log" in data["errors"][0]
+
+
+def test_the_plugin_package_a_side_imports(tmp_path):
+    old = tmp_path / "old"
+    (old / "vllm_mla_fusion").mkdir(parents=True)
+    (old / "vllm_mla_fusion" / "__init__.py").write_text("")
+    (old / "COMMIT").write_text("abc123\n")
+    bench = run.Benchmark(run.parse_args(["--out", str(tmp_path), "--sides", "on", f"on@{old}", "--layers", "4"]))
+    bench.work.mkdir(parents=True)
+    on, baseline = bench.args.side_list
+    assert bench.plugin_origin(baseline) == {"package": str(old.resolve() / "vllm_mla_fusion" / "__init__.py"),
+                                             "commit": "abc123"}  # fmt: skip
+    assert bench.plugin_origin(on)["package"] == str(run.REPO / "vllm_mla_fusion" / "__init__.py")
+    (bench.work / "vllm_mla_fusion").mkdir()  # a copy in the servers' working directory is never the one found
+    (bench.work / "vllm_mla_fusion" / "__init__.py").write_text("")
+    assert bench.plugin_origin(baseline)["package"] == str(old.resolve() / "vllm_mla_fusion" / "__init__.py")
+
+
+def test_servers_late_by_the_measured_times_get_fewer_prompts_or_are_skipped(tmp_path, monkeypatch):
+    import time
+
+    from benchmarks.serving.plan import Plan
+
+    bench = run.Benchmark(run.parse_args(["--out", str(tmp_path), "--layers", "4"]))
+    calls = []
+    monkeypatch.setattr(bench, "run_server", lambda index, side, warm, scale: calls.append((index, side.name, scale)) or {})
+    on, off = bench.args.side_list
+    loads = bench.args.load_list
+    full, half = (bench.estimator.server_s("on", False, loads, s) for s in (1.0, 0.5))
+    the_plan = Plan([(0, on), (1, off)], 1.0, [full, full], budget_s=2 * full)
+    bench.deadline = time.time() + (full + half) / 2  # later than planned: each fits only with half the prompts
+    assert bench.run_plan(the_plan) == 0
+    assert calls == [(0, "on", 0.5), (1, "off", 0.5)]
+    calls.clear()
+    bench.deadline = time.time() + 10  # nothing fits at any scale
+    assert bench.run_plan(the_plan) == 0 and calls == []
+    assert [s.split(":")[0] for s in bench.skipped] == ["server 0 (on)", "server 1 (off)"]

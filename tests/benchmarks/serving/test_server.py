@@ -1,0 +1,111 @@
+"""benchmarks/serving/server.py: the plugin's log line decides whether a server is the side it should be."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.serving.server import (
+    PortTaken,
+    Server,
+    ServerFailed,
+    ServerSpec,
+    confirm_side,
+    notable_lines,
+    parse_prefix_cache_counters,
+)
+from benchmarks.serving.sides import parse_side
+
+FAKE = Path(__file__).with_name("fake_vllm_serve.py")
+LINE = ("(Worker pid=8133) INFO 12-02 05:44:09 [layer.py:110] vllm-mla-fusion (rank 0, local rank 0): MLA layers "
+        "use the fused RoPE + KV-cache write (backend triton, mode decode)")  # fmt: skip
+OLD_LINE = "INFO vllm-mla-fusion: MLA layers use the fused RoPE + KV-cache write (backend torch, mode rope_cache)"
+FALLBACK = ("WARNING vllm-mla-fusion (rank 0, local rank 0): setting up the fused MLA path failed (ValueError: x); "
+            "layers fall back to vLLM's path")  # fmt: skip
+
+
+def test_on_needs_the_line():
+    facts = confirm_side(parse_side("on"), f"start\n{LINE}\nmore\n")
+    assert facts["fused_lines"] == [{"rank": "rank 0, local rank 0", "backend": "triton", "mode": "decode"}]
+    with pytest.raises(ServerFailed, match="missing"):
+        confirm_side(parse_side("on"), "INFO Using FLASH_ATTN_MLA backend.\n")
+
+
+def test_an_older_checkouts_line_counts():
+    facts = confirm_side(parse_side("on"), OLD_LINE)
+    assert facts["fused_lines"] == [{"rank": None, "backend": "torch", "mode": "rope_cache"}]
+
+
+def test_a_fallback_fails_the_on_side():
+    with pytest.raises(ServerFailed, match="fell back"):
+        confirm_side(parse_side("on"), f"{LINE}\n{FALLBACK}\n")
+
+
+def test_off_must_not_have_the_line():
+    assert confirm_side(parse_side("off"), "INFO Using FLASH_ATTN_MLA backend.\n")["fused_lines"] == []
+    with pytest.raises(ServerFailed, match="switched off"):
+        confirm_side(parse_side("off"), LINE)
+
+
+def test_notable_lines():
+    log = "\n".join(["noise", LINE, "INFO Using FLASH_ATTN_MLA backend.", "GPU KV cache size: 1,000 tokens", "noise"])
+    assert notable_lines(log) == [LINE, "INFO Using FLASH_ATTN_MLA backend.", "GPU KV cache size: 1,000 tokens"]
+
+
+def test_prefix_cache_counters_are_summed_over_engines():
+    text = "\n".join([
+        "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.",
+        "# TYPE vllm:prefix_cache_queries_total counter",
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 2048.0',
+        'vllm:prefix_cache_queries_total{engine="1",model_name="m"} 1024.0',
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 512.0',
+        "vllm:prefix_cache_hits_created 1.7e9",
+    ])  # fmt: skip
+    assert parse_prefix_cache_counters(text) == {"queries": 3072.0, "hits": 512.0}
+
+
+def _spec(tmp_path):
+    return ServerSpec([sys.executable, str(FAKE)], str(tmp_path / "model"), "m", ["--load-format", "dummy"], str(tmp_path))
+
+
+def test_a_server_starts_answers_and_stops_with_its_group(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_SERVE_DELAY_S", "1.5")
+    env = parse_side("off").server_env(dict(os.environ))
+    server = Server(_spec(tmp_path), parse_side("off"), env, tmp_path / "s.log")
+    try:
+        assert server.wait_healthy(30) >= 1.5
+        assert server.command[-2:] == ["--load-format", "dummy"] and "--port" in server.command
+        from benchmarks.serving.server import prefix_cache_counters
+
+        assert prefix_cache_counters(server.port) == {"queries": 10.0, "hits": 4.0}
+        assert confirm_side(parse_side("off"), server.log())["fused_lines"] == []
+    finally:
+        server.stop(grace_s=5)
+    assert server.proc.returncode is not None
+    with pytest.raises(ProcessLookupError):
+        os.killpg(server.proc.pid, 0)
+
+
+def test_a_taken_port_is_told_apart_from_a_crash(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        server = Server(_spec(tmp_path), parse_side("on"), dict(os.environ), tmp_path / "s.log", port=port)
+        with pytest.raises(PortTaken):
+            server.wait_healthy(30)
+        server.stop(grace_s=5)
+
+
+def test_a_server_that_never_gets_healthy(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_SERVE_DELAY_S", "100")
+    server = Server(_spec(tmp_path), parse_side("on"), dict(os.environ), tmp_path / "s.log")
+    try:
+        with pytest.raises(ServerFailed, match="not healthy after 2 s"):
+            server.wait_healthy(2)
+    finally:
+        server.stop(grace_s=5)

@@ -1,0 +1,67 @@
+"""The serving benchmark for real on the CPU: `vllm serve` (demo.serve) loaded by vLLM's own `vllm bench serve`.
+
+Both sides, one server each, the demo's 3-layer model on vLLM's CPU platform with the stand-in kernels,
+a warm-up and two small loads: the driver, the client process, vLLM's result files and the report,
+end to end. Its figures mean nothing. Marked slow like tests/vllm_plugin/test_serve.py: each server takes
+~1-1.5 minutes to start on 2 cores (three processes import vLLM), ~3-4 minutes in all.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.serving import run
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+LOADS = ["name=warm,in=16,out=2,rate=inf,prompts=2,warmup=1", "name=burst,in=64,out=8,rate=inf,concurrency=4,prompts=6",
+         "name=paced,in=32,out=6,rate=8,prompts=4"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serving_smoke")
+    status = run.main(["--out", str(out), "--cpu", "--model", "tiny", "--servers-per-side", "1", "--budget-s", "560",
+                       "--loads", *LOADS])  # fmt: skip
+    return status, out, json.loads((out / "serving_tiny.json").read_text())
+
+
+def test_both_sides_ran_and_were_what_they_say(smoke):
+    status, _, data = smoke
+    assert status == 0, (data["errors"], data["problems"])
+    on, off = data["servers"]
+    assert (on["index"], on["side"], off["index"], off["side"]) == (0, "on", 1, "off")
+    assert on["plugin"]["fused_lines"] == [{"rank": "rank 0, local rank 0", "backend": "torch", "mode": "decode"}]
+    assert off["plugin"]["fused_lines"] == [] and off["plugin_origin"] is None
+    assert on["plugin_origin"]["package"] == str(run.REPO / "vllm_mla_fusion" / "__init__.py")
+    assert data["servers_per_side_measured"] == {"on": 1, "off": 1}
+    for server in data["servers"]:
+        assert [ld["load"] for ld in server["loads"]] == ["warm", "burst", "paced"]
+        assert all("prefix_cache" in ld and "error" not in ld for ld in server["loads"])
+        assert server["start_s"] > 0 and server["teardown_s"] >= 0
+
+
+def test_the_report_holds_vllms_figures_per_side(smoke):
+    _, out, data = smoke
+    assert set(data["loads"]) == {"burst", "paced"}  # the warm-up is sent, not reported
+    for name, prompts in (("burst", 6), ("paced", 4)):
+        load = data["loads"][name]
+        assert load["problems"] == []
+        for side in ("on", "off"):
+            (server,) = load["sides"][side]["servers"]
+            assert (server["completed"], server["failed"], server["num_prompts"]) == (prompts, 0, prompts)
+            vllm_file = json.loads((out / "serving_tiny_raw" / "results" / server["file"]).read_text())
+            assert vllm_file["side"] == side and vllm_file["load"] == name
+            for field in ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
+                          "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms"):  # fmt: skip
+                assert server[field] == vllm_file[field] > 0, field
+        (row,) = load["comparisons"]
+        assert (row["side"], row["against"]) == ("on", "off")
+        on, off = (load["sides"][s]["summary"]["median_tpot_ms"]["median"] for s in ("on", "off"))
+        assert row["metrics"]["median_tpot_ms"]["ratio"] == pytest.approx(on / off)
+    md = (out / "serving_tiny.md").read_text()
+    assert md.count("| metric | on | off | on / off |") == 2
+    assert data["plot"].endswith(".png") or data["plot"].startswith("no plot: matplotlib")
