@@ -17,7 +17,10 @@ another engine's start-up. Per block, each workload runs in a window sampled by 
 
 Sampling: ``py-spy record --pid <own pid> --nonblocking --idle --threads --function
 --full-filenames --format raw`` started as a subprocess around each window, stopped by
-SIGINT. Why this way: attaching per window gives one collapsed file per workload (normalised
+SIGINT, and beside it a second one with ``--gil`` (which thread holds the GIL: a busy thread
+of the plugin's process would slow down all its Python). Per window, each thread's CPU time
+and context switches come from /proc (``schedstat``, ``status``): a main thread whose wall
+time grows but not its CPU time waits (for the GIL, the device, a full launch queue). Why this way: attaching per window gives one collapsed file per workload (normalised
 by the steps it ran), where ``py-spy record -- python ...`` would sample start-up and
 compilation too; ``--nonblocking`` reads the stacks without stopping the process (the paused
 variant adds exactly the kind of host time measured here); ``--idle`` keeps samples where the
@@ -75,19 +78,14 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
-REPO = BENCH_DIR.parent
-for _p in (str(BENCH_DIR), str(REPO)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Importing the benchmark puts the checkout on sys.path and sets vLLM's environment defaults
+# (callables pickled into the engine, no usage stats, no Hub), before vLLM is imported.
 import bench_vllm_e2e as B  # noqa: E402
 import host_profile_report as report  # noqa: E402
 import vllm_engine as E  # noqa: E402
+
+REPO = B.REPO
 
 SIDES = ("off", "on")
 MODES = ("compiled", "eager")
@@ -134,43 +132,61 @@ def allow_tracing_by_any_process() -> bool:
 
 
 class PySpySampler:
-    """``py-spy record --pid <this process>`` around a window (see the module docstring)."""
+    """``py-spy record --pid <this process>`` around a window (see the module docstring), and a
+    second py-spy with ``--gil`` beside it: which thread holds the GIL, sample by sample (a thread
+    that holds it for long makes every Python line of the main thread wait)."""
 
     kind = "py-spy"
 
     def __init__(self, exe: str, rate_hz: int):
         self.exe, self.rate_hz = exe, rate_hz
 
-    @contextlib.contextmanager
-    def window(self, path: Path):
-        """Samples this process into ``path`` while the body runs; the dict it yields gets the
-        window's length (``window_ms``: from py-spy's first sample to the stop signal) and py-spy's
-        own count of samples and errors."""
+    def _start(self, path: Path, *flags: str) -> subprocess.Popen:
         cmd = [self.exe, "record", "--pid", str(os.getpid()), "--rate", str(self.rate_hz), "--format", "raw",
-               "--nonblocking", "--idle", "--threads", "--function", "--full-filenames", "-o", str(path)]  # fmt: skip
+               "--nonblocking", "--threads", "--function", "--full-filenames", *flags, "-o", str(path)]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        info: dict = {"sampler": self.kind}
+        # py-spy prints "Sampling process N times a second" once it is attached.
+        ready, _, _ = select.select([proc.stdout], [], [], 30.0)
+        first = proc.stdout.readline() if ready else ""
+        if "Sampling process" not in first:
+            proc.kill()
+            raise RuntimeError(f"py-spy did not start sampling: {first.strip()!r} {proc.communicate()[0][-500:]!r}")
+        return proc
+
+    @staticmethod
+    def _stop(proc: subprocess.Popen) -> dict:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
         try:
-            # py-spy prints "Sampling process N times a second" once it is attached.
-            ready, _, _ = select.select([proc.stdout], [], [], 30.0)
-            first = proc.stdout.readline() if ready else ""
-            if "Sampling process" not in first:
-                proc.kill()
-                raise RuntimeError(f"py-spy did not start sampling: {first.strip()!r} {proc.communicate()[0][-500:]!r}")
+            out = proc.communicate(timeout=60)[0] or ""
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out = proc.communicate()[0] or ""
+        m = re.search(r"Samples: (\d+) Errors: (\d+)", out)
+        return {"returncode": proc.returncode, "samples_reported": int(m.group(1)) if m else None,
+                "errors": int(m.group(2)) if m else None, "output_tail": out[-400:]}  # fmt: skip
+
+    @contextlib.contextmanager
+    def window(self, path: Path, gil_path: Path | None = None):
+        """Samples this process into ``path`` (every thread, idle or not) and, given ``gil_path``,
+        the GIL's holder into it, while the body runs; the dict it yields gets the window's length
+        (``window_ms``: from py-spy's first sample to the stop signal) and py-spy's own counts."""
+        info: dict = {"sampler": self.kind}
+        procs = {}
+        try:
+            # The main sampler starts last and stops first: its samples span the window alone,
+            # not the other py-spy's start-up and stop (its scale is window_ms / its samples).
+            if gil_path is not None:
+                procs["gil"] = self._start(gil_path, "--gil")
+            procs["main"] = self._start(path, "--idle")
             t0 = time.perf_counter()
             yield info
             info["window_ms"] = 1e3 * (time.perf_counter() - t0)
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-            try:
-                out = proc.communicate(timeout=60)[0] or ""
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out = proc.communicate()[0] or ""
-            m = re.search(r"Samples: (\d+) Errors: (\d+)", out)
-            info.update(returncode=proc.returncode, samples_reported=int(m.group(1)) if m else None,
-                        errors=int(m.group(2)) if m else None, output_tail=out[-400:])  # fmt: skip
+            if "main" in procs:
+                info.update(self._stop(procs["main"]))
+            if "gil" in procs:
+                info["gil_sampler"] = self._stop(procs["gil"])
 
 
 class SignalSampler:
@@ -184,7 +200,8 @@ class SignalSampler:
         self.rate_hz = rate_hz
 
     @contextlib.contextmanager
-    def window(self, path: Path):
+    def window(self, path: Path, gil_path: Path | None = None):
+        """As PySpySampler.window; no GIL record (``gil_path`` is ignored)."""
         counts: Counter = Counter()
 
         def on_alarm(signum, frame):
@@ -236,7 +253,7 @@ def _plain(value) -> str:
     """A value as comparable text across processes: sets sorted (string hashing differs per
     process), object addresses dropped."""
     if isinstance(value, (set, frozenset)):
-        value = sorted(map(repr, value))
+        return "{" + ", ".join(sorted(map(repr, value)))[:160] + "}"
     return _ADDRESS.sub("", repr(value))[:160]
 
 
@@ -292,13 +309,42 @@ def process_facts() -> dict:
         "triton_hooks": _safe(_triton_hooks),
     }  # fmt: skip
     try:
-        from vllm.compilation.counter import compilation_counter
         import dataclasses
+
+        from vllm.compilation.counter import compilation_counter
 
         facts["compilation_counter"] = {k: v for k, v in dataclasses.asdict(compilation_counter).items() if isinstance(v, int)}
     except Exception:  # noqa: BLE001 - optional
         pass
     return facts
+
+
+def thread_times() -> dict[str, list[int]]:
+    """Per thread of this process, from /proc: name -> [threads, CPU ns, voluntary and involuntary
+    context switches], threads of one name summed; the main thread is ``MainThread``."""
+    out: dict[str, list[int]] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            name = "MainThread" if task.name == str(os.getpid()) else (task / "comm").read_text().strip()
+            cpu_ns = int((task / "schedstat").read_text().split()[0])
+            status = (task / "status").read_text()
+            switches = [int(re.search(rf"^{k}_ctxt_switches:\s+(\d+)", status, re.M).group(1))
+                        for k in ("voluntary", "nonvoluntary")]  # fmt: skip
+        except (OSError, AttributeError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+        row = out.setdefault(name, [0, 0, 0, 0])
+        for i, v in enumerate([1, cpu_ns, *switches]):
+            row[i] += v
+    return out
+
+
+def thread_times_delta(before: dict, after: dict) -> dict[str, dict]:
+    """What each thread name did between two ``thread_times``: CPU ms and context switches."""
+    out = {}
+    for name, (n, cpu, vol, inv) in after.items():
+        b = before.get(name, [0, 0, 0, 0])
+        out[name] = {"threads": n, "cpu_ms": (cpu - b[1]) / 1e6, "voluntary": vol - b[2], "involuntary": inv - b[3]}
+    return out
 
 
 def facts_difference(a: dict, b: dict, prefix: str = "") -> dict:
@@ -458,14 +504,19 @@ class Side:
 
     def window(self, llm, sampler, name: str, unit: str, units: int, tag: str) -> dict:
         path = self.out / f"host_profile_{self.name}_{name}_{tag}.collapsed"
+        gil_path = path.with_name(path.stem + "_gil.collapsed")
         llm.collective_rpc(E.read_host_timer)  # drop what came before
         gc_before = [s["collections"] for s in gc.get_stats()]
         rec: dict = {"workload": name, "unit": unit, "units": units, "tag": tag, "collapsed": path.name}
         ctx = self.decoders(llm) if name.startswith("mixed") else contextlib.nullcontext()
         with ctx:
-            with sampler.window(path) as info:
+            with sampler.window(path, gil_path) as info:
+                threads_before = thread_times()
                 self.run_workload(llm, name, units)
+                rec["threads"] = thread_times_delta(threads_before, thread_times())
         rec.update(info)
+        if "gil_sampler" in info:
+            rec["gil_collapsed"] = gil_path.name
         rec["host"] = E.host_summary(llm.collective_rpc(E.read_host_timer)[0])
         rec["gc_collections"] = [s["collections"] - b for s, b in zip(gc.get_stats(), gc_before)]
         return rec
@@ -596,6 +647,9 @@ def side_env(args) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     if args.cpu:
         env.update(VLLM_TARGET_DEVICE="cpu", MLA_FUSION_E2E_CPU_STANDINS="1")
+        # One torch thread: on a shared 2-core machine OpenMP's spinning threads made the same
+        # layer call vary 5-50x between rounds (benchmarks/plugin_host_calls.py).
+        env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 
@@ -690,7 +744,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="collapsed stacks, per-side JSON, logs, host_profile.md")
     ap.add_argument("--work-dir", default=None, help="model dir, compile caches, control files (default: /tmp/host_profile_work)")
-    ap.add_argument("--modes", nargs="+", default=["compiled"], choices=MODES)
+    ap.add_argument("--modes", nargs="+", default=None, choices=MODES, help="default: compiled (--cpu: eager)")
     ap.add_argument("--rounds", type=int, default=3, help="measuring blocks per engine; sides alternate which goes first")
     ap.add_argument("--prefill-lens", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--prefill-requests", type=int, default=10, help="prefill steps per window")
@@ -719,7 +773,11 @@ def parse_args(argv=None):
     args.out = str(Path(args.out).resolve())
     args.work_dir = str(Path(args.work_dir or "/tmp/host_profile_work").resolve())
     if args.cpu:
-        args.modes = ["eager"]  # vLLM's CPU platform runs the tiny model eagerly here (enforce_eager)
+        # Compiled on vLLM's CPU platform needs a kernel the stand-ins lack (the dummy sampler
+        # run's fused_gumbel_argmax): the CPU run is eager.
+        args.modes = ["eager"]
+    elif args.modes is None:
+        args.modes = ["compiled"]
     if args.kv_cache_gib is None:
         args.kv_cache_gib = 0.25 if args.cpu else 4.0
     if args.gpu_memory_utilization is None:

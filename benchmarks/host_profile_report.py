@@ -243,6 +243,8 @@ class Window:
     stacks: Counter
     execute_model_ms: list[float] = field(default_factory=list)
     gc_ms: list[float] = field(default_factory=list)
+    threads: dict = field(default_factory=dict)  # name -> {"cpu_ms", "involuntary", ...} over the window
+    gil: dict = field(default_factory=dict)  # thread name -> samples holding the GIL (py-spy --gil)
 
     @property
     def samples(self) -> int:
@@ -263,11 +265,13 @@ def load_side(path: Path) -> list[Window]:
         if w.get("error") or not w.get("collapsed"):
             continue
         host = w.get("host") or {}
+        gil = parse_collapsed((path.parent / w["gil_collapsed"]).open()) if w.get("gil_collapsed") else {}
         out.append(Window(
             side=data["side"], mode=data["mode"], workload=w["workload"], units=int(w["units"]),
             unit=w.get("unit", "step"), window_ms=float(w["window_ms"]),
             stacks=read_stacks(path.parent / w["collapsed"]),
             execute_model_ms=list(host.get("execute_model_ms", [])), gc_ms=list(host.get("gc_ms", [])),
+            threads=w.get("threads") or {}, gil={t: sum(c.values()) for t, c in gil.items()},
         ))  # fmt: skip
     return out
 
@@ -295,12 +299,15 @@ class Side:
     timed_execute_model_ms: float | None  # execute_model's host span (timer), per unit
     gc_ms: float  # garbage collection (gc callbacks), per unit
     window_execute_model_ms: list[float]  # the timed figure per window: the spread between windows
+    thread_cpu_ms: dict[str, float]  # per thread name, /proc schedstat
+    thread_involuntary: dict[str, float]  # involuntary context switches per thread name
+    gil_ms: dict[str, float]  # GIL held, per thread name (at the main sampler's scale)
 
 
 def summarize_side(windows: list[Window]) -> Side:
     units = sum(w.units for w in windows)
     execs = [ms for w in windows for ms in w.execute_model_ms]
-    return Side(
+    side = Side(
         units=units,
         unit=windows[0].unit,
         regions_ms=per_unit_ms(windows, region_samples),
@@ -309,7 +316,21 @@ def summarize_side(windows: list[Window]) -> Side:
         timed_execute_model_ms=sum(execs) / units if execs else None,
         gc_ms=sum(ms for w in windows for ms in w.gc_ms) / units,
         window_execute_model_ms=[sum(w.execute_model_ms) / w.units for w in windows if w.execute_model_ms],
+        thread_cpu_ms=_summed({t: r.get("cpu_ms", 0.0) for t, r in w.threads.items()} for w in windows),
+        thread_involuntary=_summed({t: r.get("involuntary", 0) for t, r in w.threads.items()} for w in windows),
+        gil_ms=_summed({t: n * w.ms_per_sample for t, n in w.gil.items()} for w in windows),
     )
+    for per_thread in (side.thread_cpu_ms, side.thread_involuntary, side.gil_ms):
+        for name in per_thread:
+            per_thread[name] /= units
+    return side
+
+
+def _summed(per_window: Iterable[dict]) -> dict[str, float]:
+    total: Counter = Counter()
+    for d in per_window:
+        total.update(d)
+    return dict(total)
 
 
 def difference(off: dict[str, float], on: dict[str, float]) -> list[tuple[str, float, float, float]]:
@@ -366,6 +387,19 @@ def compare_workload(off: Side, on: Side, workload: str, top: int, min_abs_ms: f
     spread = ", ".join(f"{s}: " + " ".join(f"{x:.1f}" for x in side.window_execute_model_ms)
                        for s, side in (("off", off), ("on", on)))  # fmt: skip
     lines += ["", f"execute_model host span per {unit}, timed, window by window (ms): {spread}", ""]
+    names = sorted(set(off.thread_cpu_ms) | set(on.thread_cpu_ms) | set(off.gil_ms) | set(on.gil_ms),
+                   key=lambda n: -(on.thread_cpu_ms.get(n, 0) + off.thread_cpu_ms.get(n, 0)))  # fmt: skip
+    if names:
+        lines += [f"Threads, per {unit}: CPU time (/proc schedstat), GIL held (py-spy --gil), involuntary context "
+                  "switches; a main thread whose wall time grows more than its CPU time waits (GIL, device, "
+                  "launch queue):", "",
+                  "| thread | CPU ms off | on | GIL ms off | on | involuntary switches off | on |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for n in names[:12]:
+            lines.append(f"| {n} | {_f(off.thread_cpu_ms.get(n))} | {_f(on.thread_cpu_ms.get(n))} | "
+                         f"{_f(off.gil_ms.get(n))} | {_f(on.gil_ms.get(n))} | {_f(off.thread_involuntary.get(n), '{:.1f}')} | "
+                         f"{_f(on.thread_involuntary.get(n), '{:.1f}')} |")  # fmt: skip
+        lines.append("")
     lines += _diff_table(f"Inclusive regions, ms per {unit}, largest on - off first (a sample counts in every "
                          "region it is inside):", difference(off.regions_ms, on.regions_ms), top, min_abs_ms)  # fmt: skip
     lines += _diff_table(f"Self time per function, ms per {unit}, largest on - off first:",

@@ -3,14 +3,13 @@ normalisation, attribution to regions and functions, and the on - off difference
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from . import benchmark_module
+
 SITE = "/usr/lib/python3/site-packages/"
 MLA = SITE + "vllm/model_executor/layers/attention/mla_attention.py"
 RUNNER = SITE + "vllm/v1/worker/gpu/model_runner.py"
@@ -19,12 +18,7 @@ PLUGIN = "/work/checkout/vllm_mla_fusion/"
 
 @pytest.fixture(scope="module")
 def R():
-    # Loaded by path: benchmarks/ is not an installed package.
-    spec = importlib.util.spec_from_file_location("host_profile_report", BENCH / "host_profile_report.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["host_profile_report"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module.load("host_profile_report")
 
 
 def frame(function: str, path: str, line: int = 1) -> str:
@@ -133,13 +127,19 @@ def test_difference_is_on_minus_off_largest_first(R):
     assert rows[-1] == ("gone", 2.0, 0.0, -2.0)
 
 
-def _write_side(folder: Path, side: str, windows: list[tuple[list[str], int, float, list[float]]]) -> None:
+def _write_side(folder: Path, side: str, windows: list[tuple[list[str], int, float, list[float]]],
+                threads: dict | None = None, gil_lines: list[str] | None = None) -> None:
     recs = []
     for i, (lines, units, window_ms, execs) in enumerate(windows):
         name = f"host_profile_compiled_{side}_prefill_1024_r{i}.collapsed"
         (folder / name).write_text("".join(lines))
         recs.append({"workload": "prefill_1024", "unit": "prefill step", "units": units, "window_ms": window_ms,
                      "collapsed": name, "host": {"execute_model_ms": execs, "gc_ms": [0.5]}})  # fmt: skip
+        if threads is not None:
+            recs[-1]["threads"] = threads
+        if gil_lines is not None:
+            (folder / f"gil_{side}_{i}.collapsed").write_text("".join(gil_lines))
+            recs[-1]["gil_collapsed"] = f"gil_{side}_{i}.collapsed"
     data = {"side": side, "mode": "compiled", "windows": recs, "sampler": {"kind": "py-spy", "rate_hz": 1000}}
     (folder / f"host_profile_compiled_{side}.json").write_text(json.dumps(data))
 
@@ -181,3 +181,20 @@ def test_a_failed_window_is_left_out(R, tmp_path):
     (tmp_path / "host_profile_compiled_on.json").write_text(json.dumps(data))
     windows = R.load_side(tmp_path / "host_profile_compiled_on.json")
     assert [w.window_ms for w in windows] == [10.0]
+
+
+def test_threads_and_gil_per_step(R, tmp_path):
+    # Two windows of 4 and 6 steps, 2 ms a sample (200 ms, 100 samples each): a helper thread
+    # holding the GIL for 5 and 15 samples; CPU time from /proc per window.
+    threads = {"MainThread": {"cpu_ms": 150.0, "involuntary": 4}, "pt_autotune": {"cpu_ms": 25.0, "involuntary": 0}}
+    gil = [line(MAIN, [EXEC], 40), line("thread (9): helper", [frame("Helper.run", "/x/helper.py")], 5)]
+    _write_side(tmp_path, "on", [([line(MAIN, [EXEC], 100)], 4, 200.0, [40.0] * 4),
+                                 ([line(MAIN, [EXEC], 100)], 6, 200.0, [30.0] * 6)], threads, gil)  # fmt: skip
+    side = R.summarize_side(R.load_side(tmp_path / "host_profile_compiled_on.json"))
+    assert side.thread_cpu_ms == pytest.approx({"MainThread": 30.0, "pt_autotune": 5.0})
+    assert side.thread_involuntary == pytest.approx({"MainThread": 0.8, "pt_autotune": 0.0})
+    assert side.gil_ms == pytest.approx({"MainThread": 2 * 40 * 2 / 10, "helper": 2 * 5 * 2 / 10})
+    _write_side(tmp_path, "off", [([line(MAIN, [EXEC], 100)], 4, 200.0, [40.0] * 4)], threads)
+    md = R.build_report(tmp_path)
+    assert "| helper | - | - | - | 2.00 | - | - |" in md
+    assert "| MainThread | 37.50 | 30.00 | - | 16.00 | 1.0 | 0.8 |" in md
