@@ -13,6 +13,8 @@
 #   scripts/gpu_session.sh e2e-fp8  the same with the fp8 KV cache (gpu_vllm_check.sh e2e2)
 #   scripts/gpu_session.sh e2e-x    a part of one's own ($E2E_TAG, $E2E_ARGS: gpu_vllm_check.sh e2ex)
 #   scripts/gpu_session.sh e2e-ttft three engines per side with host timers (gpu_vllm_check.sh ttft)
+#   scripts/gpu_session.sh host-profile  issue 20: py-spy over in-process engines, plugin on and off
+#                                   (gpu_vllm_check.sh hostprof; carry .whl/ with the py-spy wheel)
 #   scripts/gpu_session.sh kernels  compute-sanitizer memcheck of the new cases; the kernel benchmark's
 #                                   epilogue section and the op 1 / op 2 shapes of issue 10 with vLLM's
 #                                   kernels (K3 included) as peers; the host-cost probe; the launch
@@ -69,6 +71,8 @@ hostpath)
     done
   done
   TOTAL_S=$(left) scripts/gpu_vllm_check.sh env tests || status=1
+host-profile)
+  TOTAL_S=$(left) scripts/gpu_vllm_check.sh hostprof || status=1
   ;;
 e2e | e2e-fp8 | e2e-x | e2e-ttft)
   # Each is one stage of gpu_vllm_check.sh, given the time this call has left.
@@ -85,6 +89,7 @@ kernels)
   ;;
 *)
   echo "usage: scripts/gpu_session.sh first|host|install|hostpath|e2e|e2e-fp8|e2e-x|e2e-ttft|kernels"; exit 2 ;;
+  echo "usage: scripts/gpu_session.sh first|host|install|e2e|e2e-fp8|e2e-x|e2e-ttft|host-profile|kernels"; exit 2 ;;
 esac
 echo "==== gpu_session $1: ${SECONDS}s, status $status"
 # At most 8 files come back from a call: everything goes into one archive (results, logs,

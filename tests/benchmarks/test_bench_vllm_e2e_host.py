@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
+
+from . import benchmark_module
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def B():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_vllm_e2e", BENCH / "bench_vllm_e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module.load("bench_vllm_e2e")
 
 
 def _request(side: str, speed: float, common: float, attention: float, pieces: float, rest: float) -> dict:

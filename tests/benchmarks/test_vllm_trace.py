@@ -3,25 +3,17 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from . import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def T():
-    # Loaded by path: benchmarks/ is not an installed package.
-    spec = importlib.util.spec_from_file_location("vllm_trace", BENCH / "vllm_trace.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["vllm_trace"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module.load("vllm_trace")
 
 
 class Trace:
