@@ -71,6 +71,7 @@ hostpath)
     done
   done
   TOTAL_S=$(left) scripts/gpu_vllm_check.sh env tests || status=1
+  ;;
 host-profile)
   TOTAL_S=$(left) scripts/gpu_vllm_check.sh hostprof || status=1
   ;;
@@ -88,8 +89,8 @@ kernels)
   timeout $(( $(left) - 25 )) scripts/gpu_check.sh tune || status=1
   ;;
 *)
-  echo "usage: scripts/gpu_session.sh first|host|install|hostpath|e2e|e2e-fp8|e2e-x|e2e-ttft|kernels"; exit 2 ;;
-  echo "usage: scripts/gpu_session.sh first|host|install|e2e|e2e-fp8|e2e-x|e2e-ttft|host-profile|kernels"; exit 2 ;;
+  echo "usage: scripts/gpu_session.sh first|host|install|hostpath|e2e|e2e-fp8|e2e-x|e2e-ttft|host-profile|kernels"
+  exit 2 ;;
 esac
 echo "==== gpu_session $1: ${SECONDS}s, status $status"
 # At most 8 files come back from a call: everything goes into one archive (results, logs,
