@@ -60,14 +60,22 @@ def test_forced_launch_config_bypasses_the_cache():
 
 
 class _Compiled:
-    """A compiled kernel as Triton returns it: ``kernel[grid]`` is its own launcher."""
+    """A compiled kernel as Triton returns it: ``run`` is its launcher (called by position, as
+    Triton's JIT path calls it) and ``kernel[grid]`` the launch that builds metadata and calls
+    hooks. Both record ``(grid, stream, args, route)``."""
 
     def __init__(self, launches: list, values: tuple):
         self.launches, self.values = launches, values
+        self.function, self.packed_metadata = object(), object()
+
+    def run(self, gx, gy, gz, stream, function, packed, launch_metadata, enter_hook, exit_hook, *args):
+        assert (gy, gz, function, packed) == (1, 1, self.function, self.packed_metadata)
+        assert (launch_metadata, enter_hook, exit_hook) == (None, None, None)
+        self.launches.append(((gx, gy, gz), stream, args, "run"))
 
     def __getitem__(self, grid):
         def runner(*args, stream=None):
-            self.launches.append((grid, stream, args))
+            self.launches.append((grid, stream, args, "runner"))
 
         return runner
 
@@ -141,12 +149,42 @@ def test_first_launch_per_configuration_goes_through_triton_then_its_compiled_ke
     launch(5, *t.values())
     _call(launch, op, 6)  # another token count of the same configuration: no new binding
     assert len(fn.slow) == 1 and len(fn.launches) == 2
-    (grid, stream, args), (grid6, _, args6) = fn.launches
+    (grid, stream, args, route), (grid6, _, args6, _) = fn.launches
+    assert route == "run"  # no launch hook installed: the launcher itself, by position
     assert stream == "stream0" and grid == (launch.plan(5).grid, 1, 1) and grid6 == (launch.plan(6).grid, 1, 1)
     # The compiled kernel's launcher gets exactly what Triton bound for the same call: every
     # parameter, constexprs included, in the kernel's order (addresses as integers).
     assert fn.slow[0] == (launch.plan(5).grid, args)
     assert args6[11] == 6 and args6[15] == launch.plan(6).n_cache  # num_tokens, n_cache_programs
+
+
+def test_a_launch_hook_takes_the_launch_that_calls_it(fake_gpu, monkeypatch):
+    """A profiler's launch hook must see our launches: with one installed, the compiled kernel is
+    launched through ``kernel[grid]``, which builds the launch metadata and calls the hooks."""
+    fn, bound = fake_gpu
+    launch = bound(2, T=4)
+    t = _tensors(2, 4)
+    launch(4, *t.values())  # Triton's path: compiles
+    monkeypatch.setattr(tb, "_no_launch_hooks", lambda: False)
+    launch(4, *t.values())
+    assert [route for *_, route in fn.launches] == ["runner"]
+    assert fn.launches[0][2] == fn.slow[0][1]
+
+
+def test_no_launch_hooks_reads_tritons_knobs(monkeypatch):
+    knobs = pytest.importorskip("triton.knobs")
+    assert tb._no_launch_hooks()
+    chain = knobs.runtime.launch_enter_hook
+    if type(chain).__name__ == "HookChain":  # Triton 3.8: an empty chain means no hook
+        hook = lambda metadata: None  # noqa: E731
+        chain.add(hook)
+        try:
+            assert not tb._no_launch_hooks()
+        finally:
+            chain.remove(hook)
+    else:
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
+        assert not tb._no_launch_hooks()
 
 
 @pytest.mark.parametrize("change", ["misaligned data pointer", "cache past 2**31 slots", "forced configuration"])

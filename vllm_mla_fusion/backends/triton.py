@@ -35,6 +35,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton import knobs as _triton_knobs
 from triton.runtime import driver as _triton_driver
 
 from .. import fp8
@@ -557,7 +558,7 @@ class _Plan:
     num_warps: int
     constexprs: dict  # by name, for Triton's own launch path
     values: tuple  # the same in signature order, for the compiled kernel's launcher
-    runner: object = None  # CompiledKernel[grid]: set after the first launch of this configuration
+    compiled: tuple | None = None  # _compiled(kernel) of its configuration, once it has been launched
 
 
 class BoundLaunch:
@@ -566,10 +567,11 @@ class BoundLaunch:
     Fixed here: the op's constexprs (sizes, rotation style, store modes of the cache and the
     output, from their element types), every stride, the rope table's and the cache block's
     sizes. Per call: the token count picks a plan (grid and block sizes, cached per count),
-    and the compiled kernel of the plan's configuration is launched through its own launcher
-    (``CompiledKernel[grid]``, Triton's public launch of a compiled kernel, which also calls
-    any launch hooks a profiler installed) with integer addresses: no argument binding, no
-    specialization key, no views.
+    and the compiled kernel of the plan's configuration is launched with integer addresses
+    through its own launcher, called as Triton's launch path calls it (``CompiledKernel.run``);
+    when a profiler has installed a launch hook, through ``CompiledKernel[grid]``, which builds
+    the launch metadata and calls the hooks. No argument binding, no specialization key, no
+    views.
 
     The first launch of each configuration goes through Triton's ``kernel[grid](...)``, which
     compiles the variant (or finds it in its caches) for exactly these tensors and returns it.
@@ -640,7 +642,7 @@ class BoundLaunch:
                      constexprs, values)  # fmt: skip
         kernel = self.kernels.get(values)
         if kernel is not None:
-            plan.runner = kernel[(plan.grid, 1, 1)]
+            plan.compiled = _compiled(kernel)
         if LAUNCH_CONFIG_OVERRIDE is None:
             if len(self.plans) >= self.MAX_PLANS:
                 self.plans.clear()
@@ -653,7 +655,7 @@ class BoundLaunch:
         if self.copy_index:
             positions, slot_mapping = positions[:T].contiguous(), slot_mapping[:T].contiguous()
         num_slots = kv_cache.shape[0] * self.sizes[1]
-        if plan.runner is not None and num_slots < 2**31:
+        if plan.compiled is not None and num_slots < 2**31:
             cs = cos_sin_cache.data_ptr()
             data = (cs, q_pe.data_ptr(), k_pe.data_ptr(), kv_c.data_ptr(), kv_cache.data_ptr(),
                     cs if kv_cache_scale is None else kv_cache_scale.data_ptr(),
@@ -675,9 +677,16 @@ class BoundLaunch:
 
     def _launch(self, plan: _Plan, T: int, num_slots: int, positions, slot_mapping, data: tuple) -> None:
         cs, q, k, c, cache, cache_scale, nope, out, out_scale = data
-        plan.runner(positions.data_ptr(), slot_mapping.data_ptr(), cs, q, k, c, cache, cache_scale, nope, out,
-                    out_scale, T, self.sizes[0], self.sizes[1], num_slots, plan.n_cache, *self.strides,
-                    *plan.values, stream=self._current_stream(self.device_index))  # fmt: skip
+        launcher, function, packed_metadata, kernel = plan.compiled
+        stream = self._current_stream(self.device_index)
+        args = (positions.data_ptr(), slot_mapping.data_ptr(), cs, q, k, c, cache, cache_scale, nope, out, out_scale,
+                T, self.sizes[0], self.sizes[1], num_slots, plan.n_cache, *self.strides, *plan.values)  # fmt: skip
+        if _no_launch_hooks():
+            # The compiled kernel's launcher, called as Triton's own launch path calls it; with no
+            # launch hook there is no launch metadata to build (docs/performance.md, "Host path").
+            launcher(plan.grid, 1, 1, stream, function, packed_metadata, None, None, None, *args)
+        else:
+            kernel[(plan.grid, 1, 1)](*args, stream=stream)  # builds the metadata, calls the hooks
 
     def _launch_through_triton(self, plan: _Plan, T: int, num_slots: int, positions, q_pe, k_pe, kv_c, cos_sin_cache,
                                slot_mapping, kv_cache, kv_cache_scale, nope, out, out_scale) -> None:  # fmt: skip
@@ -706,7 +715,21 @@ class BoundLaunch:
         # (prewarm.py compiles exactly the configurations the layer will use).
         if self.compiled and kernel is not None and aligned and num_slots < 2**31:
             self.kernels[plan.values] = kernel
-            plan.runner = kernel[(plan.grid, 1, 1)]
+            plan.compiled = _compiled(kernel)
+
+
+def _compiled(kernel) -> tuple:
+    """``(launcher, function, packed metadata, kernel)`` of a compiled kernel, its module loaded."""
+    launcher = kernel.run  # loads the binary on first access (CompiledKernel._init_handles)
+    return launcher, kernel.function, kernel.packed_metadata, kernel
+
+
+def _no_launch_hooks() -> bool:
+    """No launch hook is installed (profilers such as proton install one): None in Triton 3.6,
+    an empty HookChain in Triton 3.8."""
+    runtime = _triton_knobs.runtime
+    return all(h is None or (type(h).__name__ == "HookChain" and not h.calls)
+               for h in (runtime.launch_enter_hook, runtime.launch_exit_hook))  # fmt: skip
 
 
 def _rows_2d(t: torch.Tensor) -> torch.Tensor:
