@@ -12,7 +12,8 @@
 #                  mkdir -p .baseline && git archive BASE vllm_mla_fusion | tar -x -C .baseline &&
 #                  git rev-parse BASE >.baseline/COMMIT
 #   SERVING_FRESH=1  start a new run instead of continuing (the compile caches stay)
-#   SERVING_WORK   model, compile caches, results, state (default /tmp/serving_work: kept while the machine is)
+#   SERVING_WORK   models, compile caches, runs (default /tmp/serving_work: kept while the machine is; each
+#                  configuration is a run of its own there, so a dense and an fp8-moe run both continue)
 #   TOTAL_S        seconds for the whole call (default 570)
 # Everything lands in one archive under $OUT (at most 8 files come back from a call).
 set -u -o pipefail

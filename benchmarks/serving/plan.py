@@ -113,8 +113,10 @@ class Plan:
 
     def to_json(self) -> dict:
         return {
-            "servers": [{"index": i, "side": side.name, "estimate_s": round(e, 1)}
-                        for (i, side), e in zip(self.servers, self.estimates_s)],  # fmt: skip
+            "servers": [
+                {"index": i, "side": side.name, "estimate_s": round(e, 1)}
+                for (i, side), e in zip(self.servers, self.estimates_s)
+            ],
             "prompts_scale": self.scale,
             "budget_s": round(self.budget_s, 1),
             "estimated_s": round(sum(self.estimates_s), 1),

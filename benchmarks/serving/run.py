@@ -4,12 +4,13 @@
 what is measured and how to run it on the GPU machine.
 
 The driver never imports vLLM or initialises CUDA: servers and the client are processes
-of their own. Everything it needs again lives in ``--work-dir``: the model directory,
-one compile cache per side (``VLLM_CACHE_ROOT``: an artifact compiled with one side's code
-must never serve another, and a side's second server starts warm), vLLM's result files,
-the logs, and ``state.json`` (servers done, times measured). With ``--resume`` a later
-call continues the same run where the last one stopped, in the same alternating order,
-and reports every server of the run.
+of their own. Everything it needs again lives in ``--work-dir``: per model, its directory
+and one compile cache per side (``VLLM_CACHE_ROOT``: an artifact compiled with one side's
+code must never serve another, and a side's second server starts warm); per run
+(``runs/<tag>-<hash of the configuration>``), vLLM's result files, the logs, and
+``state.json`` (servers done, times measured). With ``--resume`` a later call continues
+the run of the same configuration where the last one stopped, in the same alternating
+order, and reports every server of the run.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 
 from . import models, report
-from .loads import DEFAULT_LOADS, Load, parse_loads, scaled_prompts
+from .loads import DEFAULT_LOADS, parse_loads, scaled_prompts
 from .plan import MIN_SCALE, SPEEDS, TEARDOWN_S, Estimator, Measured, plan
 from .server import PortTaken, Server, ServerFailed, ServerSpec, confirm_side, notable_lines
 from .sides import Side, parse_sides, server_order
@@ -67,7 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompts-scale", type=float, default=1.0, help="every load's prompts x this (the plan may lower it)")
     ap.add_argument("--budget-s", type=float, default=540.0, help="wall seconds for this call, report included")
     ap.add_argument("--out", type=Path, required=True, help="report: serving_<tag>.json/.md/.png and raw/")
-    ap.add_argument("--work-dir", type=Path, default=None, help="model, compile caches, results, state (default OUT/work)")
+    ap.add_argument("--work-dir", type=Path, default=None,
+                    help="models, compile caches, runs (results, logs, state) (default OUT/work)")
     ap.add_argument("--tag", default=None, help="report file names (default: the model)")
     ap.add_argument("--resume", action="store_true", help="continue the run in --work-dir (same configuration)")
     ap.add_argument("--cpu", action="store_true", help="vLLM's CPU platform with demo.serve's stand-ins (smoke test)")
@@ -120,10 +122,14 @@ class Benchmark:
         self.args = args
         self.t0 = time.monotonic()
         self.deadline = time.time() + args.budget_s - REPORT_RESERVE_S  # wall clock: shared with the client
-        self.work = args.work_dir
-        self.results_dir, self.logs_dir = self.work / "results", self.work / "logs"
         self.config = model_config(args)
         self.key = run_key(args, self.config)
+        # Shared by every run of a model on this machine: its directory and each side's compile cache.
+        # A run's own (results, logs, state) is named by its configuration: runs never mix or clobber.
+        self.model_tag = "tiny" if args.model == "tiny" else f"{args.model}{args.layers}"
+        self.work = args.work_dir / "runs" / f"{args.tag}-{self.key[:8]}"
+        self.model_dir = args.work_dir / f"model-{self.model_tag}"
+        self.results_dir, self.logs_dir = self.work / "results", self.work / "logs"
         self.state = self._load_state()
         self.measured = Measured.from_json(self.state.get("measured"))
         speed = SPEEDS["tiny-cpu"] if args.cpu else SPEEDS[args.model]
@@ -139,7 +145,7 @@ class Benchmark:
             state = json.loads(path.read_text())
             if state.get("key") == self.key:
                 return state
-            log("resume: the work dir holds another configuration's run; starting a new one")
+            log("resume: the run directory holds another configuration's run; starting a new one")
         # A new run: earlier results and logs would be mixed into this report; compile caches stay.
         for d in (self.results_dir, self.logs_dir):
             shutil.rmtree(d, ignore_errors=True)
@@ -157,7 +163,7 @@ class Benchmark:
     # -- set-up ---------------------------------------------------------------------
 
     def cache_dir(self, side: Side) -> Path:
-        return self.work / "compile-cache" / side.slug
+        return self.args.work_dir / "compile-cache" / self.model_tag / side.slug
 
     def warm_slugs(self) -> set[str]:
         return {s.slug for s in self.args.side_list if self.cache_dir(s).is_dir() and any(self.cache_dir(s).iterdir())}
@@ -175,7 +181,7 @@ class Benchmark:
         options += [w for arg in a.server_arg for w in shlex.split(arg)]
         if a.server_launcher:
             launcher = shlex.split(a.server_launcher)
-        return ServerSpec(launcher, str(self.work / "model"), SERVED_MODEL, options, str(self.work))
+        return ServerSpec(launcher, str(self.model_dir), SERVED_MODEL, options, str(self.work))
 
     def base_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -218,9 +224,9 @@ class Benchmark:
         a.out.mkdir(parents=True, exist_ok=True)
         for d in (self.results_dir, self.logs_dir):
             d.mkdir(parents=True, exist_ok=True)
-        model_dir = self.work / "model"
-        if not (model_dir / "config.json").is_file() or json.loads((model_dir / "config.json").read_text()) != self.config:
-            models.write_model_dir(model_dir, self.config)
+        config_file = self.model_dir / "config.json"
+        if not config_file.is_file() or json.loads(config_file.read_text()) != self.config:
+            models.write_model_dir(self.model_dir, self.config)
         log(f"model: {self._model_description()}")
         done = len(self.state["servers"])
         queue = server_order(a.side_list, a.servers_per_side, first=done)
@@ -344,7 +350,7 @@ class Benchmark:
             name = f"{index:02d}-{side.slug}-{load.name}"
             metadata = {"server": index, "side": side.name, "load": load.name, "model": a.model, "layers": a.layers}
             args = load.bench_args(
-                served_model=SERVED_MODEL, tokenizer=str(self.work / "model"), port=port, seed=a.seed + k,
+                served_model=SERVED_MODEL, tokenizer=str(self.model_dir), port=port, seed=a.seed + k,
                 prompts=prompts, result_dir=str(self.results_dir if load.measured else self.work / "warmup"),
                 result_filename=f"{name}.json", metadata=metadata,
                 extra=tuple(w for arg in a.bench_arg for w in shlex.split(arg)),
@@ -366,10 +372,10 @@ class Benchmark:
             Path(spec[name]).unlink(missing_ok=True)
         spec_path = self.logs_dir / f"client-{index:02d}.json"
         spec_path.write_text(json.dumps(spec, indent=1))
-        out = open(self.logs_dir / f"client-{index:02d}.log", "w")
         # The client runs in the driver's environment (no side switch: it never loads the plugin).
-        return subprocess.Popen([sys.executable, "-m", "benchmarks.serving.client", str(spec_path)], cwd=REPO,
-                                env=self.base_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        with open(self.logs_dir / f"client-{index:02d}.log", "w") as out:
+            return subprocess.Popen([sys.executable, "-m", "benchmarks.serving.client", str(spec_path)], cwd=REPO,
+                                    env=self.base_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
     def _stop_client(self, client: subprocess.Popen, index: int) -> None:
         (self.work / f"stop-{index:02d}").touch()
@@ -428,7 +434,7 @@ class Benchmark:
                 "server_command": shlex.join([*self.server_spec().launcher, "MODEL", *self.server_spec().args]),
                 "server_summary": "CPU platform, demo.serve" if a.cpu else "vLLM defaults, dummy weights",
                 "bench_args": a.bench_arg, "seed": a.seed, "budget_s": a.budget_s,
-            },  # fmt: skip
+            },
             "environment": _environment(),
             "plan": self.state.get("plan"),
             "servers": servers,

@@ -21,7 +21,7 @@ with set_current_vllm_config(config):
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                  distributed_init_method=f"file://{model_dir}/dist_init")  # fmt: skip
     initialize_model_parallel(1, 1)
-    import vllm.model_executor.layers.quantization.fp8 as fp8
+    from vllm.model_executor.layers.quantization import fp8
 
     fp8.init_fp8_linear_kernel = lambda *args, **kwargs: None
     from vllm.model_executor.models.deepseek_v2 import DeepseekV3ForCausalLM

@@ -44,7 +44,6 @@ def test_one_call_leaves_one_archive_with_the_plan(machine):
     (archive,) = (tmp_path / "out").iterdir()
     assert archive.name.startswith("serving_call_") and archive.name.endswith(".tgz")
     with tarfile.open(archive) as tar:
-        names = tar.getnames()
         log = tar.extractfile("serving/serving.log").read().decode()
     assert '"budget_s"' in log and "server 0 (on)" in log and "--resume" in log  # budget passed, run continued
     # The entry point the servers find the plugin through, made for this checkout.

@@ -44,14 +44,14 @@ def test_dry_run_prints_each_servers_command_and_loads(tmp_path, capsys):
     assert "VLLM_MLA_FUSION=1" in servers[0] and "VLLM_MLA_FUSION=0" in servers[1]
     assert "vllm.entrypoints.cli.main serve" in servers[0] and "--load-format dummy" in servers[0]
     assert servers[0].endswith("--kv-cache-dtype fp8")
-    assert "compile-cache/on " in servers[0] and "compile-cache/off " in servers[1]  # one compile cache per side
+    assert "compile-cache/dense4/on " in servers[0] and "compile-cache/dense4/off " in servers[1]  # one per side
     benches = [ln for ln in lines if ln.strip().startswith("vllm bench serve")]
     assert len(benches) == 4 * 5
     seeds = [shlex.split(b)[shlex.split(b).index("--seed") + 1] for b in benches[:5]]
     assert seeds == ["0", "1", "2", "3", "4"]  # every load its own prompts
     assert all("--ready-check-timeout-sec 3" in b for b in benches)
-    config = json.loads((tmp_path / "work" / "model" / "config.json").read_text())
-    assert config["num_hidden_layers"] == 4 and (tmp_path / "work" / "model" / "tokenizer.json").is_file()
+    config = json.loads((tmp_path / "work" / "model-dense4" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 4 and (tmp_path / "work" / "model-dense4" / "tokenizer.json").is_file()
 
 
 def test_resume_continues_only_the_same_configuration(tmp_path):
@@ -66,8 +66,9 @@ def test_resume_continues_only_the_same_configuration(tmp_path):
     again = run.Benchmark(run.parse_args(argv))
     assert again.state["servers"] == [{"index": 0, "side": "on"}] and again.measured.start_s == {"cold": [99.0]}
     assert (again.results_dir / "00-on-rate4.json").is_file()
-    other = run.Benchmark(run.parse_args([*argv, "--sides", "off", "on"]))  # another comparison: a new run
-    assert other.state["servers"] == [] and not other.results_dir.exists()
+    other = run.Benchmark(run.parse_args([*argv, "--sides", "off", "on"]))  # another comparison: a run of its own
+    assert other.state["servers"] == [] and other.work != bench.work
+    assert (again.results_dir / "00-on-rate4.json").is_file()  # left alone by the other run
     fresh = run.Benchmark(run.parse_args(argv[:2] + argv[3:]))  # no --resume: a new run
     assert fresh.state["servers"] == []
 
