@@ -393,6 +393,7 @@ class Side:
         self.record: dict = {"side": args.side, "mode": args.mode, "pid": os.getpid(), "windows": [], "argv": sys.argv,
                              "engine": "engine-core process" if args.engine_process else "in-process"}  # fmt: skip
         self.engine_pid = os.getpid()
+        self.jit_seen = 0  # entries of the engine's Triton JIT log already attributed
 
     def save(self) -> None:
         tmp = self.json_path.with_suffix(".json.tmp")
@@ -528,15 +529,21 @@ class Side:
         rec: dict = {"workload": name, "unit": unit, "units": units, "tag": tag, "collapsed": path.name}
         ctx = self.decoders(llm) if name.startswith("mixed") else contextlib.nullcontext()
         with ctx:
+            # /proc is read outside the sampled window (a few ms on a busy machine); the main
+            # thread only waits on py-spy meanwhile, so its CPU time is the workload's.
+            threads_before = thread_times(self.engine_pid)
             with sampler.window(path, gil_path, self.engine_pid) as info:
-                threads_before = thread_times(self.engine_pid)
                 self.run_workload(llm, name, units)
-                rec["threads"] = thread_times_delta(threads_before, thread_times(self.engine_pid))
+            rec["threads"] = thread_times_delta(threads_before, thread_times(self.engine_pid))
         rec.update(info)
         if "gil_sampler" in info:
             rec["gil_collapsed"] = gil_path.name
         rec["host"] = E.host_summary(llm.collective_rpc(E.read_host_timer)[0])
         rec["gc_collections"] = dict(Counter(rec["host"].get("gc_generations", [])))
+        # Triton compilations (or cache loads) the window triggered: the JIT log only grows.
+        jit = llm.collective_rpc(E.read_jit_log)[0]
+        rec["jit_compilations"] = [{k: e.get(k) for k in ("kernel", "module", "compile_ms")} for e in jit[self.jit_seen:]]
+        self.jit_seen = len(jit)
         return rec
 
     def engine_facts(self, llm) -> dict:
@@ -758,6 +765,9 @@ def process_section(out: Path) -> str:
         for s in SIDES:
             if data[s].get("process_changed_while_measuring"):
                 lines.append(f"- {mode} {s}: changed while measuring: {json.dumps(data[s]['process_changed_while_measuring'])[:1500]}")
+            jit = [(w["workload"], w["tag"], c["kernel"], round(c["compile_ms"] or 0, 1))
+                   for w in data[s].get("windows", []) for c in w.get("jit_compilations", [])]  # fmt: skip
+            lines.append(f"- {mode} {s}: Triton JIT compilations inside measured windows: {jit or 'none'}")
             if data[s].get("sync_check"):
                 sc = {k: (v.get("syncs"), v.get("plugin_syncs")) if isinstance(v, dict) else v
                       for k, v in data[s]["sync_check"].items()}  # fmt: skip
