@@ -405,13 +405,10 @@ class Side:
 
     def wait_for_driver(self) -> str:
         """The driver's next word: ``go.<round>`` or ``exit``."""
-        seen = set()
         while True:
             for p in sorted(self.control.glob(f"{self.name}.go.*")):
-                if p.name not in seen:
-                    seen.add(p.name)
-                    p.unlink()
-                    return p.name.split(".", 1)[1]
+                p.unlink()
+                return p.name.split(".", 1)[1]
             if (self.control / f"{self.name}.exit").exists() or (self.control / "all.exit").exists():
                 return "exit"
             time.sleep(0.05)
