@@ -3,7 +3,8 @@
 
 One process per side and mode (plugin ``on`` / ``off`` x ``compiled`` / ``eager``), each an
 in-process vLLM engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core, and so the model
-runner, is that process's main thread) on DeepSeek-V3 at TP8-rank shapes (61 dense layers,
+runner, is that process's main thread; ``--engine-process``: vLLM's default layout instead, the
+engine core a child process with its own input and output threads, sampled by its pid) on DeepSeek-V3 at TP8-rank shapes (61 dense layers,
 bf16, dummy weights, the attention backend vLLM picks, vLLM's defaults: torch.compile +
 CUDA graphs; ``eager``: ``enforce_eager``). The side processes start together (compilation
 and capture overlap), warm up, then measure one at a time, in an order the driver alternates
@@ -141,8 +142,8 @@ class PySpySampler:
     def __init__(self, exe: str, rate_hz: int):
         self.exe, self.rate_hz = exe, rate_hz
 
-    def _start(self, path: Path, *flags: str) -> subprocess.Popen:
-        cmd = [self.exe, "record", "--pid", str(os.getpid()), "--rate", str(self.rate_hz), "--format", "raw",
+    def _start(self, path: Path, pid: int, *flags: str) -> subprocess.Popen:
+        cmd = [self.exe, "record", "--pid", str(pid), "--rate", str(self.rate_hz), "--format", "raw",
                "--nonblocking", "--threads", "--function", "--full-filenames", *flags, "-o", str(path)]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         # py-spy prints "Sampling process N times a second" once it is attached.
@@ -167,8 +168,8 @@ class PySpySampler:
                 "errors": int(m.group(2)) if m else None, "output_tail": out[-400:]}  # fmt: skip
 
     @contextlib.contextmanager
-    def window(self, path: Path, gil_path: Path | None = None):
-        """Samples this process into ``path`` (every thread, idle or not) and, given ``gil_path``,
+    def window(self, path: Path, gil_path: Path | None = None, pid: int | None = None):
+        """Samples process ``pid`` (default: this one) into ``path`` (every thread, idle or not) and, given ``gil_path``,
         the GIL's holder into it, while the body runs; the dict it yields gets the window's length
         (``window_ms``: from py-spy's first sample to the stop signal) and py-spy's own counts."""
         info: dict = {"sampler": self.kind}
@@ -176,9 +177,10 @@ class PySpySampler:
         try:
             # The main sampler starts last and stops first: its samples span the window alone,
             # not the other py-spy's start-up and stop (its scale is window_ms / its samples).
+            pid = pid or os.getpid()
             if gil_path is not None:
-                procs["gil"] = self._start(gil_path, "--gil")
-            procs["main"] = self._start(path, "--idle")
+                procs["gil"] = self._start(gil_path, pid, "--gil")
+            procs["main"] = self._start(path, pid, "--idle")
             t0 = time.perf_counter()
             yield info
             info["window_ms"] = 1e3 * (time.perf_counter() - t0)
@@ -200,8 +202,10 @@ class SignalSampler:
         self.rate_hz = rate_hz
 
     @contextlib.contextmanager
-    def window(self, path: Path, gil_path: Path | None = None):
-        """As PySpySampler.window; no GIL record (``gil_path`` is ignored)."""
+    def window(self, path: Path, gil_path: Path | None = None, pid: int | None = None):
+        """As PySpySampler.window, for this process only; no GIL record (``gil_path`` is ignored)."""
+        if pid not in (None, os.getpid()):
+            raise RuntimeError("the in-process sampler samples its own process only")
         counts: Counter = Counter()
 
         def on_alarm(signum, frame):
@@ -319,13 +323,25 @@ def process_facts() -> dict:
     return facts
 
 
-def thread_times() -> dict[str, list[int]]:
-    """Per thread of this process, from /proc: name -> [threads, CPU ns, voluntary and involuntary
-    context switches], threads of one name summed; the main thread is ``MainThread``."""
+def allow_tracing_in_worker(worker) -> bool:
+    """(remote, collective_rpc) ``allow_tracing_by_any_process`` in the process that runs the model."""
+    return allow_tracing_by_any_process()
+
+
+def process_facts_in_worker(worker) -> dict:
+    """(remote, collective_rpc) ``process_facts`` of the process that runs the model."""
+    return process_facts()
+
+
+def thread_times(pid: int | None = None) -> dict[str, list[int]]:
+    """Per thread of process ``pid`` (default: this one), from /proc: name -> [threads, CPU ns,
+    voluntary and involuntary context switches], threads of one name summed; the main thread is
+    ``MainThread``."""
+    pid = pid or os.getpid()
     out: dict[str, list[int]] = {}
-    for task in Path("/proc/self/task").iterdir():
+    for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            name = "MainThread" if task.name == str(os.getpid()) else (task / "comm").read_text().strip()
+            name = "MainThread" if task.name == str(pid) else (task / "comm").read_text().strip()
             cpu_ns = int((task / "schedstat").read_text().split()[0])
             status = (task / "status").read_text()
             switches = [int(re.search(rf"^{k}_ctxt_switches:\s+(\d+)", status, re.M).group(1))
@@ -374,7 +390,10 @@ class Side:
         self.json_path = self.out / f"host_profile_{self.name}.json"
         self.prompts = B.Prompts(args.vocab, seed=1000 * MODES.index(args.mode) + SIDES.index(args.side))
         self.ids = 0
-        self.record: dict = {"side": args.side, "mode": args.mode, "pid": os.getpid(), "windows": [], "argv": sys.argv}
+        self.record: dict = {"side": args.side, "mode": args.mode, "pid": os.getpid(), "windows": [], "argv": sys.argv,
+                             "engine": "engine-core process" if args.engine_process else "in-process"}  # fmt: skip
+        self.engine_pid = os.getpid()
+        self.jit_seen = 0  # entries of the engine's Triton JIT log already attributed
 
     def save(self) -> None:
         tmp = self.json_path.with_suffix(".json.tmp")
@@ -386,13 +405,10 @@ class Side:
 
     def wait_for_driver(self) -> str:
         """The driver's next word: ``go.<round>`` or ``exit``."""
-        seen = set()
         while True:
             for p in sorted(self.control.glob(f"{self.name}.go.*")):
-                if p.name not in seen:
-                    seen.add(p.name)
-                    p.unlink()
-                    return p.name.split(".", 1)[1]
+                p.unlink()
+                return p.name.split(".", 1)[1]
             if (self.control / f"{self.name}.exit").exists() or (self.control / "all.exit").exists():
                 return "exit"
             time.sleep(0.05)
@@ -427,7 +443,7 @@ class Side:
         from vllm import LLM
 
         a = self.args
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if a.engine_process else "0"
         # One compile cache per side and mode (bench_vllm_e2e.py: the AOT key does not cover the plugin).
         os.environ["VLLM_CACHE_ROOT"] = str(Path(a.work_dir) / f"vllm-cache-{self.name}")
         self.record["registered"] = E.set_plugin(a.side == "on")
@@ -435,6 +451,7 @@ class Side:
         llm = LLM(**self.engine_kwargs())
         self.record["start_s"] = time.perf_counter() - t
         facts = {**llm.apply_model(E.mla_facts)[0], **llm.collective_rpc(E.runner_facts)[0]}
+        self.engine_pid = facts["pid"]  # the process that runs the model: this one, or the engine core's
         modes = {layer["fusion_mode"] for layer in facts["layers"]}
         want = {"decode"} if a.side == "on" else {None}
         facts["layers"] = facts["layers"][:1] + [{"same_as_first_for": len(facts["layers"]) - 1}]
@@ -506,20 +523,28 @@ class Side:
         path = self.out / f"host_profile_{self.name}_{name}_{tag}.collapsed"
         gil_path = path.with_name(path.stem + "_gil.collapsed")
         llm.collective_rpc(E.read_host_timer)  # drop what came before
-        gc_before = [s["collections"] for s in gc.get_stats()]
         rec: dict = {"workload": name, "unit": unit, "units": units, "tag": tag, "collapsed": path.name}
         ctx = self.decoders(llm) if name.startswith("mixed") else contextlib.nullcontext()
         with ctx:
-            with sampler.window(path, gil_path) as info:
-                threads_before = thread_times()
+            # /proc is read outside the sampled window (a few ms on a busy machine); the main
+            # thread only waits on py-spy meanwhile, so its CPU time is the workload's.
+            threads_before = thread_times(self.engine_pid)
+            with sampler.window(path, gil_path, self.engine_pid) as info:
                 self.run_workload(llm, name, units)
-                rec["threads"] = thread_times_delta(threads_before, thread_times())
+            rec["threads"] = thread_times_delta(threads_before, thread_times(self.engine_pid))
         rec.update(info)
         if "gil_sampler" in info:
             rec["gil_collapsed"] = gil_path.name
         rec["host"] = E.host_summary(llm.collective_rpc(E.read_host_timer)[0])
-        rec["gc_collections"] = [s["collections"] - b for s, b in zip(gc.get_stats(), gc_before)]
+        rec["gc_collections"] = dict(Counter(rec["host"].get("gc_generations", [])))
+        # Triton compilations (or cache loads) the window triggered: the JIT log only grows.
+        jit = llm.collective_rpc(E.read_jit_log)[0]
+        rec["jit_compilations"] = [{k: e.get(k) for k in ("kernel", "module", "compile_ms")} for e in jit[self.jit_seen:]]
+        self.jit_seen = len(jit)
         return rec
+
+    def engine_facts(self, llm) -> dict:
+        return process_facts() if self.engine_pid == os.getpid() else llm.collective_rpc(process_facts_in_worker)[0]
 
     def check_sampler(self, llm, sampler):
         """A warm-up window through the sampler: py-spy that cannot read this process (no samples,
@@ -533,8 +558,8 @@ class Side:
         except Exception as e:  # noqa: BLE001 - any failure: the fallback
             ok = False
             self.record["sampler_check"] = {"error": f"{type(e).__name__}: {e}"}
-        if ok or self.args.sampler == "py-spy":
-            return sampler
+        if ok or self.args.sampler == "py-spy" or self.engine_pid != os.getpid():
+            return sampler  # (the in-process sampler cannot sample another process)
         log(f"{self.name}: py-spy failed ({self.record['sampler_check']}); sampling in-process instead")
         return SignalSampler(self.args.rate)
 
@@ -577,13 +602,15 @@ class Side:
         try:
             llm = self.start()
             log(f"{self.name}: engine up in {self.record['start_s']:.1f} s")
-            self.record["process_before"] = process_facts()
+            self.record["process_before"] = self.engine_facts(llm)
             for name, _, _ in self.workloads():  # warm-up: each shape twice, unsampled
                 for _ in range(2):
                     self.run_workload(llm, name, 1)
+            if self.engine_pid != os.getpid():
+                self.record["engine_allows_tracing"] = llm.collective_rpc(allow_tracing_in_worker)[0]
             sampler = self.check_sampler(llm, make_sampler(a.sampler, a.rate))
             self.record["sampler"] = {"kind": sampler.kind, "rate_hz": a.rate, "exe": getattr(sampler, "exe", None)}
-            if a.sync_check:
+            if a.sync_check and not a.engine_process:
                 self.record["sync_check"] = self.sync_check(llm)
             self.save()
         except Exception as e:  # noqa: BLE001 - reported to the driver through the JSON
@@ -613,12 +640,14 @@ class Side:
             self.record["host_probe_summary"] = report.probe_summary(self.record.get("host_probe", []))
             self.save()
             self.signal_driver(f"done.{word.split('.')[-1]}")
-        self.record["process_after"] = process_facts()
+        self.record["process_after"] = self.engine_facts(llm)
         self.record["process_changed_while_measuring"] = facts_difference(
             self.record["process_before"], self.record["process_after"]
         )
         self.save()
-        # No teardown: the driver is waiting, and the process's exit frees the GPU.
+        if self.engine_pid != os.getpid():
+            E.shutdown(llm)  # the engine core is a child: it must not outlive this process
+        # No other teardown: the driver is waiting, and the process's exit frees the GPU.
         sys.stdout.flush()
         os._exit(status)
 
@@ -644,7 +673,7 @@ def write_model(args) -> str:
 
 
 def side_env(args) -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="1" if args.engine_process else "0")
     if args.cpu:
         env.update(VLLM_TARGET_DEVICE="cpu", MLA_FUSION_E2E_CPU_STANDINS="1")
         # One torch thread: on a shared 2-core machine OpenMP's spinning threads made the same
@@ -733,6 +762,9 @@ def process_section(out: Path) -> str:
         for s in SIDES:
             if data[s].get("process_changed_while_measuring"):
                 lines.append(f"- {mode} {s}: changed while measuring: {json.dumps(data[s]['process_changed_while_measuring'])[:1500]}")
+            jit = [(w["workload"], w["tag"], c["kernel"], round(c["compile_ms"] or 0, 1))
+                   for w in data[s].get("windows", []) for c in w.get("jit_compilations", [])]  # fmt: skip
+            lines.append(f"- {mode} {s}: Triton JIT compilations inside measured windows: {jit or 'none'}")
             if data[s].get("sync_check"):
                 sc = {k: (v.get("syncs"), v.get("plugin_syncs")) if isinstance(v, dict) else v
                       for k, v in data[s]["sync_check"].items()}  # fmt: skip
@@ -756,6 +788,9 @@ def parse_args(argv=None):
     ap.add_argument("--sampler", default="auto", choices=["auto", "py-spy", "signal"],
                     help="auto: py-spy, or the in-process sampler where py-spy cannot read the process")
     ap.add_argument("--no-sync-check", dest="sync_check", action="store_false")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="vLLM's default layout instead: the engine core in a process of its own (with its input "
+                    "and output threads), sampled by pid; no sync check, no in-process fallback sampler")
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--layers", type=int, default=None, help="override the model's layer count")
     ap.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache per engine (default 4; CPU 0.25)")

@@ -419,7 +419,8 @@ def build_report(folder: Path, modes: list[str] | None = None, top: int = 25, mi
         lines += [f"## {mode}", ""]
         for s in ("off", "on"):
             sampler = meta[s].get("sampler", {})
-            lines.append(f"- {s}: sampler {sampler.get('kind')} at {sampler.get('rate_hz')} Hz; "
+            lines.append(f"- {s}: engine {meta[s].get('engine', 'in-process')}, start {_f(meta[s].get('start_s'), '{:.0f}')} s; "
+                         f"sampler {sampler.get('kind')} at {sampler.get('rate_hz')} Hz; "
                          f"host probe {meta[s].get('host_probe_summary')}")  # fmt: skip
         lines.append("")
         for workload in sorted({w.workload for w in on_windows} & {w.workload for w in off_windows}):

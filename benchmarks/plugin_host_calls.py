@@ -232,6 +232,11 @@ def main(argv=None) -> int:
                                                  mla_on.kv_cache_dtype, cos_sin_cache, is_neox)  # fmt: skip
 
         timed("plugin: _PrefillStep(...) construction", prefill_step)
+
+        def set_step_attribute():
+            mla_on._prefill_step = None  # forward_fused sets two such attributes twice a step
+
+        timed("plugin: one step attribute set on the layer (torch.nn.Module.__setattr__)", set_step_attribute)
         vllm_concat = type(impl_on)._concat_k_nope_k_pe.__get__(impl_on)
 
         def assemble_key():
