@@ -11,7 +11,7 @@ each frame ``function (file:line)``).
 Per step (or per round of the mixed workload: ``unit``), each side gets
 
 - (a) self time per function: the samples whose innermost frame is that function;
-- (b) inclusive time of named regions (``REGIONS``: the plugin's forward_fused, ops.eager,
+- (b) inclusive time of named regions (``REGIONS``: the plugin's forward_fused, its bound ops,
   validation, dispatch, the Triton backend's _launch/_plan/launcher; vLLM's forward_impl,
   forward_mha, the compiled pieces, Inductor's generated wrapper code, Triton's launcher and
   JIT paths, ...): the samples with at least one frame in the region, each counted once;
@@ -191,14 +191,15 @@ REGIONS = (
            "assemble_decode_query", "promote.<locals>.forward_mqa"),  # fmt: skip
     region("plugin: write_target", PLUGIN + "vllm_plugin/custom_ops.py", "write_target"),
     region("plugin: eligibility (per step)", PLUGIN + "vllm_plugin/eligibility.py"),
-    region("plugin: ops.eager.* (op bodies)", PLUGIN + "ops.py"),
+    region("plugin: ops.py (public ops, eager bodies)", PLUGIN + "ops.py"),
+    region("plugin: binding.BoundOp (layout check, first-call binding)", PLUGIN + "binding.py"),
     region("plugin: validation.check_*", PLUGIN + "validation.py"),
     region("plugin: dispatch.resolve/load", PLUGIN + "dispatch.py"),
     region("plugin: Triton backend (all)", PLUGIN + "backends/triton.py"),
-    region("plugin: Triton backend _launch", PLUGIN + "backends/triton.py", "_launch"),
-    region("plugin: Triton backend _plan", PLUGIN + "backends/triton.py", "_plan", "_make_plan"),
-    region("plugin: Triton backend launcher", PLUGIN + "backends/triton.py", "_DirectLauncher.__call__",
-           "_DirectLauncher.launch", "_launcher"),  # fmt: skip
+    region("plugin: Triton bound launch (per call)", PLUGIN + "backends/triton.py", "BoundLaunch.__call__",
+           "BoundLaunch._launch", "BoundLaunch.plan"),  # fmt: skip
+    region("plugin: Triton's own launch path (first call of a configuration)", PLUGIN + "backends/triton.py",
+           "BoundLaunch._launch_through_triton"),  # fmt: skip
     region("plugin: torch reference backend", PLUGIN + "backends/reference.py"),
     region("Triton runtime: launcher / JIT (triton/runtime, triton/backends)", "triton/runtime/",
            also=(Pattern("triton/backends/"), Pattern("triton/compiler/"))),  # fmt: skip

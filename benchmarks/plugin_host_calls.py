@@ -12,11 +12,10 @@ call's arguments, then times each piece alone on those arguments, back to back
   dispatch and context lookup alone (their bodies stubbed);
 - the plugin: forward_fused (total, and without the forward_impl it calls), write_target,
   ``_fuse_prefill_key`` / ``eligibility.prefill_key_step_reason``, the q_pe slice, ``_rows``,
-  ``_PrefillStep(...)``, assemble_prefill_key, ``ops.eager`` (its ``_named`` wrapper and the
-  op body), ``validation.check_prefill_rope_cache_write``, ``dispatch.resolve`` (CPU, and the
-  GPU's answer for a CUDA device object) and ``dispatch.load``, the torch backend, and the
-  Triton backend's host path with the launch stubbed (``_launch`` up to the launcher; the
-  direct launcher's key and hook check on their own);
+  ``_PrefillStep(...)``, assemble_prefill_key, ``ops.eager``, the layer's ``binding.BoundOp``
+  (whole, and with its site stubbed: the layout tuple and rows check), the validation a layout's
+  first call runs, the torch backend, and the Triton backend's bound launch with the launch
+  stubbed, and its launch-hook check;
 - vLLM: RoPE (the layer's rotary_emb), the cache write (``update_kv_cache``), the key concat.
 
 Also counts, per layer call, the Python function calls (cProfile) and the net number of
@@ -112,7 +111,7 @@ def main(argv=None) -> int:
     from vllm.model_executor.custom_op import op_registry_oot
 
     from tests.vllm_plugin import harness as H
-    from vllm_mla_fusion import dispatch, validation
+    from vllm_mla_fusion import binding, dispatch, validation
     from vllm_mla_fusion import ops as plugin_ops
     from vllm_mla_fusion.backends import reference
     from vllm_mla_fusion.backends import triton as tb
@@ -199,15 +198,18 @@ def main(argv=None) -> int:
         timed("plugin: forward_fused, forward_impl reduced to building the key", lambda: mla_on.forward_fused(
             *got["forward_fused"][0]), 50)  # fmt: skip
         # The same with the Triton backend's host path and the launch stubbed: everything the
-        # plugin's Python costs a GPU host per layer, on CPU tensors (no CUDA calls).
-        real_load, real_launcher = dispatch.load, tb._launcher
+        # plugin's Python costs a GPU host per layer, on CPU tensors (no CUDA calls). The layer's
+        # bound ops are rebuilt so that their sites are the Triton backend's.
+        real_load, real_slow = dispatch.load, tb.BoundLaunch._launch_through_triton
         dispatch.load = lambda name: tb
-        tb._launcher = lambda *a: None
+        tb.BoundLaunch._launch_through_triton = lambda *a: None
+        mla_on._bound_ops = {}
         try:
             timed("plugin: forward_fused, key only, Triton host path with the launch stubbed",
                   lambda: mla_on.forward_fused(*got["forward_fused"][0]))  # fmt: skip
         finally:
-            dispatch.load, tb._launcher = real_load, real_launcher
+            dispatch.load, tb.BoundLaunch._launch_through_triton = real_load, real_slow
+            mla_on._bound_ops = {}
         mla_on.forward_impl = lambda *a, **k: None
         mla_on._prefill_key_fused = False  # no key step prepared: nothing asks for it
         timed("plugin: forward_fused, forward_impl a no-op, key step off (op 1 instead of op 3)",
@@ -252,39 +254,30 @@ def main(argv=None) -> int:
                     kv_cache, k_out, mla_on.kv_cache_dtype, mla_on._k_scale)  # fmt: skip
         timed("plugin: ops.eager.mla_prefill_rope_cache_write (torch backend)",
               lambda: plugin_ops.eager.mla_prefill_rope_cache_write(*op3_args), 50)  # fmt: skip
-        timed("plugin: the op body without _named (torch backend)",
-              lambda: plugin_ops._prefill_rope_cache_write(*op3_args), 50)  # fmt: skip
-        named_noop = plugin_ops._named("mla_fusion::noop", lambda *a: None)
-        timed("plugin: ops._named wrapper around a no-op body (profiler check + call)", lambda: named_noop(*op3_args))
-        timed("plugin: validation.check_prefill_rope_cache_write",
+        bound_args = (positions, q_pe, k_pe_on, kv_c_normed, cos_sin_cache, slot_mapping, kv_cache, mla_on._k_scale,
+                      k_nope_on, k_out, None)  # fmt: skip
+        bound = binding.BoundOp(binding.OP_PREFILL, is_neox=is_neox, kv_cache_dtype=mla_on.kv_cache_dtype,
+                                backend="torch")  # fmt: skip
+        timed("plugin: BoundOp call (torch backend)", lambda: bound(*bound_args), 50)
+        (key, (site, name)), = bound.sites.items()
+        bound.sites[key] = (lambda *a: None, name)
+        timed("plugin: BoundOp call, its site a no-op (layout tuple, rows check)", lambda: bound(*bound_args))
+        timed("plugin: binding._layout (the per-call layout tuple)", lambda: binding._layout(*bound_args))
+        timed("plugin: validation.check_prefill_rope_cache_write (a layout's first call only)",
               lambda: validation.check_prefill_rope_cache_write(*op3_args))  # fmt: skip
         p = validation.check_prefill_rope_cache_write(*op3_args)
-        timed("plugin: dispatch.resolve (CPU tensors -> torch)", lambda: dispatch.resolve(
-            "auto", q_pe.device, decode=False, problem=p))  # fmt: skip
-        cuda = torch.device("cuda")  # a device object only: nothing touches CUDA
-        timed("plugin: dispatch.resolve (a CUDA device -> triton)", lambda: dispatch.resolve(
-            "auto", cuda, decode=False, problem=p))  # fmt: skip
-        timed("plugin: dispatch.load('triton')", lambda: dispatch.load("triton"))
-        backend_args = (p, positions, q_pe, k_pe_on, kv_c_normed, k_nope_on, cos_sin_cache, is_neox, slot_mapping,
-                        kv_cache, k_out, mla_on._k_scale)  # fmt: skip
-        timed("plugin: torch backend prefill_rope_cache_write (CPU compute)",
-              lambda: reference.prefill_rope_cache_write(*backend_args), 50)  # fmt: skip
-
-        launches: list = []
-        real_launcher = tb._launcher
-        tb._launcher = lambda *a: launches.append(a) if not launches else None
+        timed("plugin: torch backend prefill_rope_cache_write (CPU compute)", lambda: reference.prefill_rope_cache_write(
+            p, positions, q_pe, k_pe_on, kv_c_normed, k_nope_on, cos_sin_cache, is_neox, slot_mapping, kv_cache,
+            k_out, mla_on._k_scale), 50)  # fmt: skip
+        site = tb.bind(p, binding.OP_PREFILL, is_neox, True, *bound_args)
+        real_slow = tb.BoundLaunch._launch_through_triton
+        tb.BoundLaunch._launch_through_triton = lambda *a: None
         try:
-            timed("plugin: Triton backend prefill_rope_cache_write, launch stubbed (_launch host prep)",
-                  lambda: tb.prefill_rope_cache_write(*backend_args))  # fmt: skip
-            timed("plugin: Triton backend _plan (cached)", lambda: tb._plan(
-                p, tb.OP_PREFILL.value, k_nope_on.shape[-1], is_neox, True, True, k_out.dtype, False, q_pe.device))  # fmt: skip
+            timed("plugin: Triton site call, launch stubbed (plan lookup, index copies)",
+                  lambda: site(T, *bound_args))  # fmt: skip
         finally:
-            tb._launcher = real_launcher
-        grid, runtime, constexprs, num_warps, pdl, _, values = launches[0]
-        if real_launcher.usable:
-            timed("plugin: Triton direct launcher: _key (per launch)", lambda: real_launcher._key(
-                runtime, values, (num_warps, pdl), 0))  # fmt: skip
-        timed("plugin: Triton direct launcher: _hooks_unset (per launch)", tb._hooks_unset)
+            tb.BoundLaunch._launch_through_triton = real_slow
+        timed("plugin: Triton launch-hook check (per launch)", tb._no_launch_hooks)
 
         # vLLM's pieces the plugin replaces.
         rope_args, rope_kwargs = got["forward"]
