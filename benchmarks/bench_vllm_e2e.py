@@ -779,7 +779,7 @@ def _host_split(side: str, h: dict) -> dict | None:
         return g.get(name, (0, 0.0))[1]
 
     if side == "on":
-        common = ms("forward_mha") - ms("op 3 (eager)")
+        common = ms("forward_mha") - ms("plugin prefill key (op 3)")
         attention = ms("plugin forward_fused") - common
     else:
         common = ms("forward_mha") - ms("vLLM key concat")

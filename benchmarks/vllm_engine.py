@@ -499,9 +499,10 @@ HOST_REGIONS = (
     ("vllm.model_executor.layers.attention.mla_attention", "MLACommonBaseImpl", "_concat_k_nope_k_pe",
      "vLLM key concat"),
     ("vllm_mla_fusion.vllm_plugin.attention", "FusedMLAAttention", "forward_fused", "plugin forward_fused"),
-    ("vllm_mla_fusion.ops", "eager", "mla_prefill_rope_cache_write", "op 3 (eager)"),
-    ("vllm_mla_fusion.ops", "eager", "mla_rope_cache_write", "op 1 (eager)"),
-    ("vllm_mla_fusion.ops", "eager", "mla_decode_rope_cache_write", "op 2 (eager)"),
+    # The plugin's counterpart of vLLM's key concat inside forward_mha: op 3 and its output.
+    ("vllm_mla_fusion.vllm_plugin.attention", "FusedMLAAttention", "assemble_prefill_key", "plugin prefill key (op 3)"),
+    ("vllm_mla_fusion.vllm_plugin.attention", "FusedMLAAttention", "assemble_decode_query", "plugin decode query (op 2)"),
+    ("vllm_mla_fusion.binding", "BoundOp", "__call__", "plugin bound ops (all)"),
 )
 
 

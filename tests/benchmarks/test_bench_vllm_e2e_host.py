@@ -23,7 +23,7 @@ def _request(side: str, speed: float, common: float, attention: float, pieces: f
     s = speed
     if side == "on":
         op3 = 0.4 * attention
-        regions = {"forward_mha": [61, s * (common + op3)], "op 3 (eager)": [61, s * op3],
+        regions = {"forward_mha": [61, s * (common + op3)], "plugin prefill key (op 3)": [61, s * op3],
                    "MLAAttention.forward_impl": [61, s * (common + op3 + 1.0)],
                    "plugin forward_fused": [61, s * (common + attention)]}  # fmt: skip
     else:

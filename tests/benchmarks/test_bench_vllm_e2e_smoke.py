@@ -112,7 +112,7 @@ def test_host_time_recorded(report):
                 region = "plugin forward_fused" if e["side"] == "on" else "vLLM cache write"
                 calls, ms = h["regions_ms"][region]
                 assert calls == n_layers and 0 < ms < h["execute_model_ms"][0], h["regions_ms"]
-                assert ("op 3 (eager)" in h["regions_ms"]) == (e["side"] == "on")
+                assert ("plugin prefill key (op 3)" in h["regions_ms"]) == (e["side"] == "on")
             assert 0 < p["execute_model_ms_median"] < p["ttft_ms_median"]
         assert all(h["execute_model_tokens"][0] == cfg["prompt_len"] for h in e["first_request"]["host"])
         for length in (cfg["prompt_len"], *cfg["prefill_lens"]):

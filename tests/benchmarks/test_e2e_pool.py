@@ -57,7 +57,7 @@ def _engine(index, side, kv, ttft_ms, common_ms=None, error=False):
     e = {"index": index, "side": side, "kv_cache_dtype": kv, "prefill": {"1024": {"ttft_s": [t / 1e3 for t in ttft_ms]}}}
     if common_ms is not None:
         # --host-regions records: forward_mha minus the side's own part is the common code.
-        own = "op 3 (eager)" if side == "on" else "vLLM key concat"
+        own = "plugin prefill key (op 3)" if side == "on" else "vLLM key concat"
         e["prefill"]["1024"]["host"] = [
             {"execute_model_ms": [50.0 + c], "regions_ms": {"forward_mha": [61, c + 3.0], own: [61, 3.0],
                                                             "MLAAttention.forward_impl": [61, c + 5.0],
