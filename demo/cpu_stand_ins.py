@@ -3,10 +3,13 @@
 vLLM's PyPI wheel is built for CUDA: on a machine without a GPU driver its
 kernel library (``vllm._C_stable_libtorch``) does not load, and there is no
 CPU kernel library at all. vLLM's CPU platform runs everything else in plain
-torch. Every process here that runs that wheel on the CPU (the test session,
-demo/generate.py, every process of demo/serve.py, the end-to-end benchmark's
-``--smoke`` mode and the GPU tests' worker in ``--cpu-smoke`` mode) calls
-:func:`prepare`, which makes two changes, and pins the attention backend:
+torch. Every process here that runs that wheel on the CPU calls
+:func:`prepare`, which makes the first two changes below: demo/generate.py,
+every process of demo/serve.py, the end-to-end benchmark's ``--smoke`` mode,
+the GPU tests' worker in ``--cpu-smoke`` mode; the test session in two halves
+(tests/vllm_plugin/conftest.py: :func:`hide_amx` when it loads, :func:`install`
+in the ``vllm_cpu`` fixture; test_environment.py's start script hides AMX too).
+The third is a setting wherever a backend is chosen.
 
 1. **Stand-ins.** A plain-torch stand-in for each of the four ``_C`` ops the
    reference MLA path calls (:data:`STAND_INS`):

@@ -253,7 +253,7 @@ def report(on: dict, off: dict, log_on: list[str], log_off: list[str]) -> bool:
         print(f"vLLM turned {turned_off} OFF, although the demo asked for them:")
         if said:
             print(f"  {said}")
-        print("  (vllm/platforms/cpu.py does this for every MLA model on a CPU.) So the long prompt is prefilled in")
+        print("  (vllm/platforms/cpu.py does this for MLA models on CPU_MLA.) So the long prompt is prefilled in")
         print("  one step, not in chunks, and the request that shares its beginning recomputes it. On a GPU")
         print(f"  both stay on (the demo asks for chunks of {on['requested_max_num_batched_tokens']} tokens).\n")
     for tag, lines in (("plugin on ", log_on), ("plugin off", log_off)):

@@ -15,6 +15,9 @@ instructions (Inductor's CPU code generation reads the same function) must
 not run in such a process while AMX is reported present.
 """
 
-import torch
-
-torch.cpu._is_amx_tile_supported = lambda: True
+try:
+    import torch
+except ImportError:  # an interpreter without torch (e.g. the system Python of scripts/env.sh): nothing to report to
+    pass
+else:
+    torch.cpu._is_amx_tile_supported = lambda: True
