@@ -74,13 +74,15 @@ def _sharded_rank(module) -> int | None:
     return None
 
 
-def redraw(model) -> dict:
-    """Redraw every floating-point weight of ``model`` as the module docstring says; what was drawn, by kind."""
+def redraw(model, act_dtype=None) -> dict:
+    """Redraw every floating-point weight of ``model`` as the module docstring says; what was drawn, by kind.
+
+    ``act_dtype``: the model's activation dtype, for the MLA layers' absorbed weights (the server's
+    ``--dtype``; bf16 on the GPU, float32 on vLLM's CPU platform)."""
     import torch
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
     counts = {"fp8_weights": 0, "block_scales": 0, "other": 0, "mla_layers": 0, "sharded": 0}
-    dtype = torch.bfloat16
     with torch.no_grad():
         for module_name, module in model.named_modules():
             own = dict(module.named_parameters(recurse=False))
@@ -103,11 +105,9 @@ def redraw(model) -> dict:
                     scale = 1.0 if "norm" in pname or "norm" in module_name.rsplit(".", 1)[-1] else p.shape[-1] ** -0.5
                     p.copy_((torch.randn(p.shape, generator=g) * scale).to(p.device, p.dtype))
                     counts["other"] += 1
-                    if p.dtype in (torch.bfloat16, torch.float16):
-                        dtype = p.dtype
         for module in model.modules():
             if isinstance(module, MLAAttention):
-                module.process_weights_after_loading(dtype)
+                module.process_weights_after_loading(act_dtype or torch.bfloat16)
                 counts["mla_layers"] += 1
     return counts
 
@@ -118,7 +118,7 @@ class RedrawWeights:
     def redraw_weights(self) -> dict:
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        counts = self.apply_model(redraw)
+        counts = self.apply_model(lambda model: redraw(model, self.model_config.dtype))
         # Graphs captured before read the same tensors (copied into, never replaced); stale compiled code does not.
         return {"tp_rank": get_tensor_model_parallel_rank(), **counts}
 

@@ -61,37 +61,33 @@ ready_at = time.monotonic() + float(os.environ.get("FAKE_SERVE_DELAY_S", "0"))
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        if self.path == "/health" and time.monotonic() >= ready_at:
-            body = b""
-        elif self.path == "/metrics":
-            body = b'vllm:prefix_cache_queries_total{engine="0"} 10.0\nvllm:prefix_cache_hits_total{engine="0"} 4.0\n'
-        else:
-            self.send_response(503)
-            self.end_headers()
-            return
-        self.send_response(200)
+    def answer(self, status: int, body: bytes = b"") -> None:
+        self.send_response(status)
         self.end_headers()
         self.wfile.write(body)
 
+    def do_GET(self):
+        if self.path == "/health" and time.monotonic() >= ready_at:
+            self.answer(200)
+        elif self.path == "/metrics":
+            self.answer(200, b'vllm:prefix_cache_queries_total{engine="0"} 10.0\nvllm:prefix_cache_hits_total{engine="0"} 4.0\n')
+        else:
+            self.answer(503)
+
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-        answer = None
         if self.path == "/collective_rpc" and body.get("method") == "redraw_weights":
             answer = {"results": [{"tp_rank": r, "mla_layers": 3, "fp8_weights": 10} for r in range(ranks)]}
         elif self.path == "/v1/completions":
             answer = completion(body)
         elif self.path == "/start_profile":
-            profile["prefix"] = body.get("profile_prefix")
+            profile["prefix"], answer = body.get("profile_prefix"), None
         elif self.path == "/stop_profile":
             write_traces()
+            answer = None
         else:
-            self.send_response(404)
-            self.end_headers()
-            return
-        self.send_response(200)
-        self.end_headers()
-        self.wfile.write(json.dumps(answer).encode() if answer is not None else b"")
+            return self.answer(404)
+        self.answer(200, json.dumps(answer).encode() if answer is not None else b"")
 
     def log_message(self, *args):
         pass

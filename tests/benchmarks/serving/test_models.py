@@ -135,23 +135,28 @@ def test_vllm_reads_the_fp8_stand_in_as_block_quantized_fp8(model_dir):
     assert quant.activation_scheme == "dynamic"
 
 
-@pytest.mark.vllm
-def test_vllm_allocates_the_estimated_weights_with_its_fp8_moe_method(tmp_path):
-    """vLLM builds 3 dense + 1 MoE layer of the stand-in (meta device, in a process of its own): every part's
-    bytes are the estimate's, to the byte, and the routed experts run through vLLM's Fp8MoEMethod."""
+def built_on_meta(tmp_path, config: dict) -> dict:
+    """What vLLM allocates for ``config`` on the meta device (fp8_moe_probe.py, in a process of its own)."""
     import json
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    config = models.stand_in_config("fp8-moe", 4)
     model_dir = models.write_model_dir(tmp_path / "model", config)
     probe = Path(__file__).with_name("fp8_moe_probe.py")
     out = subprocess.run([sys.executable, str(probe), str(model_dir)], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
-    built = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.vllm
+def test_vllm_allocates_the_estimated_weights_with_its_fp8_moe_method(tmp_path):
+    """vLLM builds 3 dense + 1 MoE layer of the stand-in (meta device, in a process of its own): every part's
+    bytes are the estimate's, to the byte, and the routed experts run through vLLM's Fp8MoEMethod."""
+    config = models.stand_in_config("fp8-moe", 4)
+    built = built_on_meta(tmp_path, config)
     assert built["bytes"] == models.weight_bytes(config)
     assert built["experts"] == {"method": "Fp8MoEMethod", "w13_shape": [256, 2 * 256, 7168],
                                 "w13_dtype": "torch.float8_e4m3fn"}  # fmt: skip
@@ -179,18 +184,7 @@ def test_vllm_reads_the_full_model_as_deepseek_v3_with_fp8_blocks(tmp_path):
 def test_vllm_allocates_the_estimated_weights_of_the_full_model(tmp_path):
     """3 dense + 1 MoE layer of the whole model on the meta device (one rank: tensor-parallel size 1): its
     full-size layers (128 heads, 18432, experts of 2048) hold exactly the estimate's bytes."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     config = models.stand_in_config("full", 4)
-    model_dir = models.write_model_dir(tmp_path / "model", config)
-    probe = Path(__file__).with_name("fp8_moe_probe.py")
-    out = subprocess.run([sys.executable, str(probe), str(model_dir)], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})  # fmt: skip
-    assert out.returncode == 0, out.stderr[-4000:]
-    built = json.loads(out.stdout.strip().splitlines()[-1])
+    built = built_on_meta(tmp_path, config)
     assert built["bytes"] == models.weight_bytes(config)
     assert built["experts"]["w13_shape"] == [256, 2 * 2048, 7168]
