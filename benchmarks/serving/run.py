@@ -367,6 +367,12 @@ class Benchmark:
                 if isinstance(e, PortTaken):
                     continue
                 raise
+            except BaseException:
+                # SIGTERM (the call's timeout) during a start of minutes: neither process may outlive the
+                # driver; a TP8 server left behind would hold eight GPUs' memory in the next call.
+                self._stop_client(client, index)
+                server.stop()
+                raise
             record["port"] = server.port
             self.measured.add_start(side.slug, warm, record["start_s"])
             log(f"server {index} ({side.name}): healthy after {record['start_s']:.1f} s")

@@ -205,3 +205,36 @@ def test_the_report_compares_the_probes_of_the_sides(tmp_path):
     assert any("greedy outputs differ" in p for p in out["problems"])
     assert any("server 2 (off): OSError" in p for p in out["problems"])
     assert "on vs off: DIFFERENT" in (tmp_path / "serving_dense4.md").read_text()
+
+
+def test_a_driver_ended_while_a_server_starts_leaves_no_process(tmp_path, monkeypatch):
+    """SIGTERM (the GPU script's timeout) arrives during the minutes a TP8 server takes to start: the server's
+    and the client's process groups are stopped before the driver unwinds."""
+    import os
+
+    from benchmarks.serving import server as server_module
+
+    started = []
+
+    class Recorded(server_module.Server):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+        def wait_healthy(self, timeout_s):
+            raise SystemExit(143)  # what main's SIGTERM handler raises
+
+    clients = []
+    bench = run.Benchmark(run.parse_args(["--out", str(tmp_path), *FAKE_RUN]))
+    start_client = bench.start_client
+    monkeypatch.setattr(run, "Server", Recorded)
+    monkeypatch.setattr(bench, "start_client", lambda *a: clients.append(start_client(*a)) or clients[-1])
+    bench.work.mkdir(parents=True)
+    bench.logs_dir.mkdir(parents=True)
+    with pytest.raises(SystemExit):
+        bench._start(0, bench.args.side_list[0], False, 1.0, {})
+    (server,), (client,) = started, clients
+    assert server.proc.returncode is not None and client.returncode is not None
+    for pid in (server.proc.pid, client.pid):
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)
