@@ -68,10 +68,15 @@ def _seed(name: str, rank: int | None) -> int:
 
 
 def _sharded_rank(module) -> int | None:
-    """The module's tensor-parallel rank if tensor parallelism shards it, else None (replicated)."""
-    if getattr(module, "tp_size", 1) > 1:
-        return int(getattr(module, "tp_rank", 0))
-    return None
+    """The module's tensor-parallel rank if tensor parallelism shards it, else None (replicated).
+
+    Linear layers and the vocabulary embedding say ``tp_size``/``tp_rank`` themselves (1 where
+    replicated); vLLM 0.33's routed experts keep theirs in ``moe_config.moe_parallel_config``."""
+    size, rank = getattr(module, "tp_size", None), getattr(module, "tp_rank", 0)
+    if size is None:
+        parallel = getattr(getattr(module, "moe_config", None), "moe_parallel_config", None)
+        size, rank = getattr(parallel, "tp_size", 1), getattr(parallel, "tp_rank", 0)
+    return int(rank) if size > 1 else None
 
 
 def redraw(model, act_dtype=None) -> dict:

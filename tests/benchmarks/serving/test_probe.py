@@ -151,17 +151,28 @@ def test_the_redraw_fills_fp8_blocks_and_seeds_by_rank(monkeypatch):
             if fp8:
                 self.weight_scale_inv = torch.nn.Parameter(torch.zeros(out_f // 128, in_f // 128), requires_grad=False)
 
+    class RoutedExperts(torch.nn.Module):  # vLLM's: its tensor-parallel rank in moe_config.moe_parallel_config
+        def __init__(self, rank):
+            super().__init__()
+            parallel = type("P", (), {"tp_size": 8, "tp_rank": rank})()
+            self.moe_config = type("C", (), {"moe_parallel_config": parallel})()
+            self.w2_weight = torch.nn.Parameter(torch.zeros(4, 256, 128, dtype=torch.float8_e4m3fn), requires_grad=False)
+            self.w2_weight_scale_inv = torch.nn.Parameter(torch.zeros(4, 2, 1), requires_grad=False)
+
     def model(rank):
         m = torch.nn.Module()
         m.q_b_proj = Linear(256, 512, tp_size=8, tp_rank=rank)
         m.kv_a_proj = Linear(256, 512, tp_size=1, tp_rank=0)  # replicated (disable_tp)
         m.lm_head = Linear(64, 256, tp_size=8, tp_rank=rank, fp8=False)
+        m.experts = RoutedExperts(rank)
         return m
 
     r0, r1 = model(0), model(1)
     counts = probe.redraw(r0)
     probe.redraw(r1)
-    assert counts == {"fp8_weights": 2, "block_scales": 2, "other": 1, "mla_layers": 0, "sharded": 2}
+    assert counts == {"fp8_weights": 3, "block_scales": 3, "other": 1, "mla_layers": 0, "sharded": 3}
+    assert torch.all(r0.experts.w2_weight_scale_inv == 128**-0.5)  # w2's fan-in: the expert's intermediate size
+    assert not torch.equal(r0.experts.w2_weight.float(), r1.experts.w2_weight.float())
     assert torch.all(r0.q_b_proj.weight_scale_inv == 512**-0.5)
     w = r0.q_b_proj.weight.float()
     assert 0.9 < w.std() < 1.1 and abs(w.mean()) < 0.05
