@@ -415,7 +415,7 @@ MUTANTS = [
            "if False:", "tests/benchmarks/serving/test_probe.py -k redraw_fills",
            "fp8 block scales drawn like weights: signs and sizes at random"),
     Mutant("tp8-shards-drawn-alike", "benchmarks/serving/probe.py",
-           "g = torch.Generator().manual_seed(_seed(name, rank))", "g = torch.Generator().manual_seed(_seed(name, None))",
+           'seed = _seed(f"{module_name}.{pname}", rank)', 'seed = _seed(f"{module_name}.{pname}", None)',
            "tests/benchmarks/serving/test_probe.py -k redraw_fills", "every rank's shard the same numbers"),
     Mutant("tp8-option-not-passed", "benchmarks/serving/run.py",
            'options += ["--tensor-parallel-size", str(a.tensor_parallel_size)]', "options += []",

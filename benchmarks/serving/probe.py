@@ -79,6 +79,26 @@ def _sharded_rank(module) -> int | None:
     return int(rank) if size > 1 else None
 
 
+CHUNK_ELEMENTS = 1 << 27  # float32 draws of 512 MiB at most: the GPU's memory is mostly weights and KV cache
+
+
+def _draw_normal(p, seed: int, scale: float) -> None:
+    """``p`` := N(0, scale^2), drawn on p's device (~80 GiB a rank: on the host it would take minutes), in
+    slices along the first dimension so the float32 draw stays small; clamped to fp8's range for fp8."""
+    import torch
+
+    g = torch.Generator(device=p.device).manual_seed(seed)
+    flat = p.view(1, *p.shape) if p.dim() == 0 else p
+    per_row = max(1, flat[0].numel())
+    step = max(1, CHUNK_ELEMENTS // per_row)
+    for start in range(0, flat.shape[0], step):
+        part = flat[start : start + step]
+        draw = torch.randn(part.shape, generator=g, device=p.device).mul_(scale)
+        if p.dtype == torch.float8_e4m3fn:
+            draw.clamp_(-FP8_MAX, FP8_MAX)
+        part.copy_(draw)
+
+
 def redraw(model, act_dtype=None) -> dict:
     """Redraw every floating-point weight of ``model`` as the module docstring says; what was drawn, by kind.
 
@@ -96,19 +116,18 @@ def redraw(model, act_dtype=None) -> dict:
             for pname, p in own.items():
                 if not p.is_floating_point() or p.numel() == 0:
                     continue
-                name = f"{module_name}.{pname}"
-                g = torch.Generator().manual_seed(_seed(name, rank))
+                seed = _seed(f"{module_name}.{pname}", rank)
                 weight_of_scale = next((pname[: -len(s)] for s in SCALE_SUFFIXES if pname.endswith(s)), None)
                 if weight_of_scale in own and own[weight_of_scale].dtype == torch.float8_e4m3fn:
                     # fan-in: the weight's last dimension (vLLM keeps block-quantized weights [.., out, in]).
                     p.fill_(own[weight_of_scale].shape[-1] ** -0.5)
                     counts["block_scales"] += 1
                 elif p.dtype == torch.float8_e4m3fn:
-                    p.copy_(torch.randn(p.shape, generator=g).clamp_(-FP8_MAX, FP8_MAX).to(p.device, p.dtype))
+                    _draw_normal(p, seed, 1.0)
                     counts["fp8_weights"] += 1
                 else:
-                    scale = 1.0 if "norm" in pname or "norm" in module_name.rsplit(".", 1)[-1] else p.shape[-1] ** -0.5
-                    p.copy_((torch.randn(p.shape, generator=g) * scale).to(p.device, p.dtype))
+                    norm = "norm" in pname or "norm" in module_name.rsplit(".", 1)[-1]
+                    _draw_normal(p, seed, 1.0 if norm or p.dim() == 0 else p.shape[-1] ** -0.5)
                     counts["other"] += 1
         for module in model.modules():
             if isinstance(module, MLAAttention):

@@ -179,3 +179,11 @@ def test_the_redraw_fills_fp8_blocks_and_seeds_by_rank(monkeypatch):
     assert torch.equal(r0.kv_a_proj.weight.float(), r1.kv_a_proj.weight.float())  # replicated: one draw
     assert not torch.equal(r0.q_b_proj.weight.float(), r1.q_b_proj.weight.float())  # shards differ
     assert 0.9 * 256**-0.5 < r0.lm_head.weight.float().std() < 1.1 * 256**-0.5
+    # Drawn in slices (on a GPU: its free memory is small): every slice drawn, the same values every time.
+    monkeypatch.setattr(probe, "CHUNK_ELEMENTS", 1000)
+    again, other = model(0), model(0)
+    probe.redraw(again)
+    probe.redraw(other)
+    assert torch.equal(again.q_b_proj.weight.float(), other.q_b_proj.weight.float())
+    assert (again.q_b_proj.weight.float() != 0).float().mean() > 0.99
+    assert 0.9 < again.q_b_proj.weight.float()[-2:].std() < 1.1  # the last slice too
