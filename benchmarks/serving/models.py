@@ -1,6 +1,6 @@
-"""The model stand-ins a server loads: one tensor-parallel rank of DeepSeek-V3, dummy weights.
+"""The models a server loads: one tensor-parallel rank of DeepSeek-V3, or all of it; dummy weights.
 
-Two stand-ins, chosen by name (``MODELS``):
+Three, chosen by name (``MODELS``):
 
 - ``dense``: today's end-to-end stand-in (benchmarks/bench_vllm_e2e.py), every layer a
   dense MLP of 18432/8 = 2304, bf16 weights; what the earlier results were measured on.
@@ -9,8 +9,11 @@ Two stand-ins, chosen by name (``MODELS``):
   256 routed experts of intermediate 2048/8 = 256, top-8 routing in 8 groups (top 4
   groups, sigmoid scores with a correction bias) plus 1 shared expert: vLLM's fp8 MoE
   path with all 256 experts on the rank, as tensor parallelism shards them.
+- ``full``: DeepSeek-V3 itself (128 heads, dense intermediate 18432, experts of 2048, the
+  fp8 quantization above), for ``--tensor-parallel-size 8``: each rank then holds what
+  ``fp8-moe`` holds, but 1/8 of the embedding and LM head (``weight_bytes(config, 8)``).
 
-Both keep a TP8 rank's attention (128/8 = 16 heads; the MLA dims and YaRN rope of
+The stand-ins keep a TP8 rank's attention (128/8 = 16 heads; the MLA dims and YaRN rope of
 DeepSeek-V3), the full hidden size and the full vocabulary (the embedding and LM head a rank
 would shard 1/8 each are whole here: ~3.2 GiB more than a rank holds, and an LM head 8x
 larger per token). The layer count is a parameter: a server start costs ~1-2 s of compile
@@ -49,14 +52,14 @@ def dense_tp8_config() -> dict:
     return dict(DSV3_TP8_CONFIG)
 
 
-# DeepSeek-V3's MoE and quantization, from its published config.json; intermediate sizes at TP8.
-DSV3_MOE_TP8 = {
+# DeepSeek-V3's MoE and quantization, from its published config.json.
+DSV3_MOE = {
     "first_k_dense_replace": 3,
     "moe_layer_freq": 1,
     "n_routed_experts": 256,
     "num_experts_per_tok": 8,
     "n_shared_experts": 1,
-    "moe_intermediate_size": 2048 // 8,
+    "moe_intermediate_size": 2048,
     "n_group": 8,
     "topk_group": 4,
     "topk_method": "noaux_tc",
@@ -71,6 +74,11 @@ DSV3_MOE_TP8 = {
         "weight_block_size": [128, 128],
     },
 }
+FULL_TENSOR_PARALLEL = 8  # the stand-ins are one rank of DeepSeek-V3 at this tensor-parallel size
+# One TP8 rank: each expert's intermediate size sharded 8 ways (all 256 experts on every rank).
+DSV3_MOE_TP8 = {**DSV3_MOE, "moe_intermediate_size": DSV3_MOE["moe_intermediate_size"] // FULL_TENSOR_PARALLEL}
+# What tensor parallelism shards and the stand-ins hold 1/8 of; the full model holds them whole.
+DSV3_SHARDED_DIMS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
 
 
 def stand_in_config(model: str, layers: int = FULL_DEPTH) -> dict:
@@ -85,32 +93,52 @@ def stand_in_config(model: str, layers: int = FULL_DEPTH) -> dict:
     config.update(num_hidden_layers=layers, bos_token_id=0, eos_token_id=1, transformers_version="4.33.1")
     if model == "dense":
         config["first_k_dense_replace"] = layers
-    else:
-        config.update(json.loads(json.dumps(DSV3_MOE_TP8)))  # a deep copy: callers may edit theirs
-        config["first_k_dense_replace"] = min(DSV3_MOE_TP8["first_k_dense_replace"], layers)
+        return config
+    moe = DSV3_MOE if model == "full" else DSV3_MOE_TP8
+    config.update(json.loads(json.dumps(moe)))  # a deep copy: callers may edit theirs
+    config["first_k_dense_replace"] = min(moe["first_k_dense_replace"], layers)
+    if model == "full":
+        config.update({k: config[k] * FULL_TENSOR_PARALLEL for k in DSV3_SHARDED_DIMS})
     return config
 
 
 MODELS = {
     "dense": "DeepSeek-V3 TP8 rank, every layer dense (bf16), as in bench_vllm_e2e.py",
     "fp8-moe": "DeepSeek-V3 TP8 rank as deployed: fp8 128x128 blocks, 3 dense + MoE layers (256 experts, top-8 + 1 shared)",
+    "full": "DeepSeek-V3 as deployed, the whole model (for --tensor-parallel-size 8): fp8 128x128 blocks, 128 heads, "
+    "3 dense + MoE layers (256 experts, top-8 + 1 shared)",
 }
+H200_GIB = 139.0  # what torch sees of an H200's memory
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of it
+
+
+def check_fits(config: dict, tensor_parallel_size: int, gpu_gib: float = H200_GIB) -> float:
+    """GiB of weights per rank; ValueError when they leave less than a tenth of vLLM's share for the KV cache."""
+    per_rank = sum(weight_bytes(config, tensor_parallel_size).values()) / 2**30
+    usable = GPU_MEMORY_UTILIZATION * gpu_gib
+    if per_rank > 0.9 * usable:
+        raise ValueError(f"{per_rank:.1f} GiB of weights per rank at tensor-parallel size {tensor_parallel_size} "
+                         f"leave too little of {usable:.0f} GiB (0.9 x {gpu_gib:.0f}) for the KV cache")  # fmt: skip
+    return per_rank
 
 
 def moe_layers(config: dict) -> int:
     return config["num_hidden_layers"] - min(config["first_k_dense_replace"], config["num_hidden_layers"])
 
 
-def weight_bytes(config: dict) -> dict[str, int]:
-    """Bytes of the weights vLLM allocates for ``config``, by part.
+def weight_bytes(config: dict, tensor_parallel_size: int = 1) -> dict[str, int]:
+    """Bytes of the weights vLLM allocates for ``config`` on one rank of ``tensor_parallel_size``, by part.
 
     Linear layers store fp8 (1 byte) plus one float32 scale per 128x128 block where the
     config says fp8 and bf16 otherwise; the router, norms, embedding and LM head stay bf16
     (DeepSeek's checkpoint quantizes only the linear layers' weights). vLLM's fused layouts (q_a
     and kv_a merged, gate and up merged) hold the same numbers: tests/benchmarks/serving/
     test_models.py checks these byte counts against the model vLLM builds on the meta device.
+    Tensor parallelism shards the heads, the MLPs' intermediate sizes (every expert on every
+    rank) and the vocabulary; q_a and kv_a projections, norms and router are whole on each rank.
     """
     c = config
+    tp = tensor_parallel_size
     block = (c.get("quantization_config") or {}).get("weight_block_size")
 
     def linear(out_features: int, in_features: int) -> int:
@@ -120,7 +148,7 @@ def weight_bytes(config: dict) -> dict[str, int]:
         scales = -(-out_features // bn) * -(-in_features // bk)
         return out_features * in_features + 4 * scales
 
-    hidden, heads = c["hidden_size"], c["num_attention_heads"]
+    hidden, heads = c["hidden_size"], c["num_attention_heads"] // tp
     nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
     q_lora, kv_lora = c["q_lora_rank"], c["kv_lora_rank"]
     attention = (
@@ -133,19 +161,20 @@ def weight_bytes(config: dict) -> dict[str, int]:
         return 2 * linear(intermediate, hidden) + linear(hidden, intermediate)  # gate, up, down
 
     n_moe = moe_layers(c)
-    moe = c["n_routed_experts"] * mlp(c["moe_intermediate_size"])
-    moe += mlp(c["moe_intermediate_size"] * c.get("n_shared_experts", 0))
+    expert = c["moe_intermediate_size"] // tp
+    moe = c["n_routed_experts"] * mlp(expert)
+    moe += mlp(expert * c.get("n_shared_experts", 0))
     moe += 2 * c["n_routed_experts"] * hidden + 4 * c["n_routed_experts"]  # router (bf16), correction bias (fp32)
-    vocab = 2 * c["vocab_size"] * hidden
+    vocab = 2 * -(-c["vocab_size"] // tp) * hidden
     return {
         "attention": c["num_hidden_layers"] * attention,
-        "dense_mlp": (c["num_hidden_layers"] - n_moe) * mlp(c["intermediate_size"]),
+        "dense_mlp": (c["num_hidden_layers"] - n_moe) * mlp(c["intermediate_size"] // tp),
         "moe": n_moe * moe,
         "embedding_and_lm_head": 2 * vocab + 2 * hidden,
     }
 
 
-def describe(config: dict) -> str:
+def describe(config: dict, tensor_parallel_size: int = 1) -> str:
     c = config
     n_moe = moe_layers(c)
     quant = (c.get("quantization_config") or {}).get("quant_method") or "bf16"
@@ -154,8 +183,13 @@ def describe(config: dict) -> str:
         mlp += (f" + {n_moe} MoE ({c['n_routed_experts']} experts x {c['moe_intermediate_size']}, "
                 f"top-{c['num_experts_per_tok']} + {c.get('n_shared_experts', 0)} shared)")  # fmt: skip
     gib = sum(weight_bytes(c).values()) / 2**30
+    if tensor_parallel_size > 1:
+        per_rank = sum(weight_bytes(c, tensor_parallel_size).values()) / 2**30
+        gib = f"{gib:.1f} GiB, ~{per_rank:.1f} GiB per rank at tensor-parallel size {tensor_parallel_size}"
+    else:
+        gib = f"{gib:.1f} GiB"
     return (f"{c['num_hidden_layers']} layers ({mlp}), hidden {c['hidden_size']}, {c['num_attention_heads']} heads, "
-            f"{quant} weights ~{gib:.1f} GiB, vocab {c['vocab_size']}")  # fmt: skip
+            f"{quant} weights ~{gib}, vocab {c['vocab_size']}")  # fmt: skip
 
 
 def build_tokenizer(vocab_size: int):

@@ -44,9 +44,16 @@ SPEEDS = {
     "dense": Speed(35.0, 1.6, 25.0, 0.35, tpot_s=0.040, decode_step_s=0.010, prefill_tokens_per_s=60_000),
     "fp8-moe": Speed(45.0, 2.6, 35.0, 0.7, tpot_s=0.070, decode_step_s=0.025, prefill_tokens_per_s=30_000),
     "tiny-cpu": Speed(60.0, 2.0, 60.0, 2.0, tpot_s=0.3, decode_step_s=0.3, prefill_tokens_per_s=800),
+    # The whole model at TP8 (8 H200s): each rank builds fp8-moe's rank and the eight compile in parallel;
+    # NCCL and custom all-reduce set-up, eight processes' imports and ~80 GiB of dummy weights per rank
+    # (drawn on the GPU) add to fp8-moe's guess; every step adds two all-reduces per layer. Guesses.
+    "full": Speed(90.0, 3.0, 60.0, 1.0, tpot_s=0.080, decode_step_s=0.030, prefill_tokens_per_s=40_000),
 }
 LOAD_OVERHEAD_S = 4.0  # per load: the dataset's prompts, the prefix-cache counters, vLLM's result file
 TEARDOWN_S = 15.0  # SIGINT to the last process of the server gone
+# --probe (probe.py): the redraw on every rank, three greedy requests alone, a profiled decode batch and
+# rank 0's trace written and read; a guess for the full model at TP8.
+PROBE_S = 60.0
 MIN_SCALE = 0.25
 
 
@@ -73,8 +80,8 @@ class Measured:
 
 
 class Estimator:
-    def __init__(self, speed: Speed, layers: int, measured: Measured):
-        self.speed, self.layers, self.measured = speed, layers, measured
+    def __init__(self, speed: Speed, layers: int, measured: Measured, probe_s: float = 0.0):
+        self.speed, self.layers, self.measured, self.probe_s = speed, layers, measured, probe_s
 
     def start_s(self, slug: str, warm: bool) -> float:
         s = self.speed
@@ -99,7 +106,7 @@ class Estimator:
         return busy + LOAD_OVERHEAD_S
 
     def server_s(self, slug: str, warm: bool, loads: list[Load], scale: float) -> float:
-        return (self.start_s(slug, warm) + sum(self.load_s(ld, scaled_prompts(ld, scale)) for ld in loads)
+        return (self.start_s(slug, warm) + self.probe_s + sum(self.load_s(ld, scaled_prompts(ld, scale)) for ld in loads)
                 + TEARDOWN_S)  # fmt: skip
 
 

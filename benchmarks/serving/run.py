@@ -27,9 +27,9 @@ import sys
 import time
 from pathlib import Path
 
-from . import models, report
+from . import models, probe, report
 from .loads import DEFAULT_LOADS, parse_loads, scaled_prompts
-from .plan import MIN_SCALE, SPEEDS, TEARDOWN_S, Estimator, Measured, plan
+from .plan import MIN_SCALE, PROBE_S, SPEEDS, TEARDOWN_S, Estimator, Measured, plan
 from .server import PortTaken, Server, ServerFailed, ServerSpec, confirm_side, notable_lines
 from .sides import Side, parse_sides, server_order
 
@@ -76,6 +76,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--server-launcher", default=None,
                     help="the command before the model path that starts a server (shell words; default: `vllm serve` "
                     "as python -m vllm.entrypoints.cli.main serve, or demo.serve with --cpu); e.g. under py-spy")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="GPUs per server (vllm serve --tensor-parallel-size); 8 for --model full")
+    ap.add_argument("--probe", action="store_true",
+                    help="before the loads: redraw the dummy weights on every rank, greedy tokens and logprobs "
+                    "(compared on vs off), GPU time per decode step from rank 0's profile (probe.py)")
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--server-arg", action="append", default=[], help="more `vllm serve` options (shell words)")
     ap.add_argument("--bench-arg", action="append", default=[], help="more `vllm bench serve` options (shell words)")
@@ -94,6 +99,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.layers = 3
     if args.servers_per_side < 1 or args.layers < 1 or not 0 < args.prompts_scale <= 10:
         ap.error("--servers-per-side and --layers must be >= 1, --prompts-scale in (0, 10]")
+    if args.tensor_parallel_size < 1:
+        ap.error("--tensor-parallel-size must be >= 1")
+    if args.model != "tiny" and not args.cpu:
+        try:  # the whole model on one GPU would fail minutes into its start; say so now
+            models.check_fits(models.stand_in_config(args.model, args.layers), args.tensor_parallel_size)
+        except ValueError as e:
+            ap.error(f"--model {args.model}: {e}")
     args.work_dir = args.work_dir or args.out / "work"
     if not args.tag:
         full = args.model == "tiny" or args.layers == models.FULL_DEPTH
@@ -114,6 +126,11 @@ def run_key(args, config: dict) -> str:
     same = {"config": config, "sides": [s.name for s in args.side_list], "loads": [vars(ld) for ld in args.load_list],
             "cpu": args.cpu, "server_args": args.server_arg,
             "bench_args": args.bench_arg, "max_model_len": args.max_model_len, "seed": args.seed}  # fmt: skip
+    # Only where set: the runs kept from before these options keep their keys.
+    if args.tensor_parallel_size > 1:
+        same["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.probe:
+        same["probe"] = True
     return hashlib.sha256(json.dumps(same, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -127,13 +144,15 @@ class Benchmark:
         # Shared by every run of a model on this machine: its directory and each side's compile cache.
         # A run's own (results, logs, state) is named by its configuration: runs never mix or clobber.
         self.model_tag = "tiny" if args.model == "tiny" else f"{args.model}{args.layers}"
+        if args.tensor_parallel_size > 1:  # compiled graphs differ by rank shape: a cache of their own
+            self.model_tag += f"-tp{args.tensor_parallel_size}"
         self.work = args.work_dir / "runs" / f"{args.tag}-{self.key[:8]}"
         self.model_dir = args.work_dir / f"model-{self.model_tag}"
         self.results_dir, self.logs_dir = self.work / "results", self.work / "logs"
         self.state = self._load_state()
         self.measured = Measured.from_json(self.state.get("measured"))
         speed = SPEEDS["tiny-cpu"] if args.cpu else SPEEDS[args.model]
-        self.estimator = Estimator(speed, args.layers, self.measured)
+        self.estimator = Estimator(speed, args.layers, self.measured, PROBE_S if args.probe else 0.0)
         self.skipped: list[str] = []
         self.errors: list[str] = []
 
@@ -178,6 +197,11 @@ class Benchmark:
         else:
             launcher = [sys.executable, "-P", "-m", "vllm.entrypoints.cli.main", "serve"]  # `vllm serve`
             options = [*GPU_SERVER_ARGS, "--max-model-len", str(a.max_model_len)]
+        if a.tensor_parallel_size > 1:
+            options += ["--tensor-parallel-size", str(a.tensor_parallel_size)]
+        if a.probe:
+            options += ["--worker-extension-cls", probe.WORKER_EXTENSION,
+                        "--profiler-config", json.dumps(probe_profiler_config(self.trace_dir()))]  # fmt: skip
         options += [w for arg in a.server_arg for w in shlex.split(arg)]
         if a.server_launcher:
             launcher = shlex.split(a.server_launcher)
@@ -198,7 +222,12 @@ class Benchmark:
     def side_env(self, side: Side) -> dict[str, str]:
         env = side.server_env(self.base_env())
         env["VLLM_CACHE_ROOT"] = str(self.cache_dir(side))
+        if self.args.probe:
+            env["VLLM_SERVER_DEV_MODE"] = "1"  # the /collective_rpc route the probe redraws the weights through
         return env
+
+    def trace_dir(self) -> Path:
+        return self.work / "traces"
 
     def plugin_origin(self, side: Side) -> dict:
         """Which vllm_mla_fusion a server of ``side`` imports (found, not imported), and that checkout's commit."""
@@ -292,7 +321,9 @@ class Benchmark:
         server = client = None
         try:
             server, client = self._start(index, side, warm, scale, record)
-            record["plugin"] = confirm_side(side, server.log())
+            record["plugin"] = confirm_side(side, server.log(), self.args.tensor_parallel_size)
+            if self.args.probe:
+                record["probe"] = self.run_probe(index, side, server.port)
             (self.work / f"go-{index:02d}").touch()
             try:
                 client.wait(timeout=max(self.deadline - time.time(), 1.0))
@@ -336,11 +367,31 @@ class Benchmark:
                 if isinstance(e, PortTaken):
                     continue
                 raise
+            except BaseException:
+                # SIGTERM (the call's timeout) during a start of minutes: neither process may outlive the
+                # driver; a TP8 server left behind would hold eight GPUs' memory in the next call.
+                self._stop_client(client, index)
+                server.stop()
+                raise
             record["port"] = server.port
             self.measured.add_start(side.slug, warm, record["start_s"])
             log(f"server {index} ({side.name}): healthy after {record['start_s']:.1f} s")
             return server, client
         raise ServerFailed("three ports in a row were taken before the server bound them")
+
+    def run_probe(self, index: int, side: Side, port: int) -> dict:
+        """probe.run on the healthy server (its results also in results/probe-NN-<side>.json); the loads follow."""
+        shape = probe.CPU_SHAPE if self.args.cpu else probe.GPU_SHAPE
+        log(f"server {index} ({side.name}): probe (redraw, greedy, decode profile)")
+        try:
+            result = probe.run(port, SERVED_MODEL, self.config["vocab_size"], shape, self.trace_dir(),
+                               f"decode-{index:02d}-{side.slug}")  # fmt: skip
+        except (OSError, RuntimeError, ValueError, KeyError) as e:  # the loads still measure; the report says why
+            result = {"error": f"{type(e).__name__}: {e}"}
+        (self.results_dir / f"probe-{index:02d}-{side.slug}.json").write_text(json.dumps(result, indent=1))
+        log(f"server {index} ({side.name}): probe {result.get('error') or 'done'}; "
+            f"decode step {result.get('decode_profile', {}).get('gpu_us_median')} us GPU")  # fmt: skip
+        return result
 
     def client_spec(self, index: int, side: Side, port: int, scale: float) -> dict:
         a = self.args
@@ -406,7 +457,7 @@ class Benchmark:
     def _model_description(self) -> str:
         if self.args.model == "tiny":
             return "the demo's tiny DeepSeek-V3-architecture model (3 layers), vLLM's CPU platform"
-        return f"{models.MODELS[self.args.model]}; {models.describe(self.config)}"
+        return f"{models.MODELS[self.args.model]}; {models.describe(self.config, self.args.tensor_parallel_size)}"
 
     def _print_commands(self, the_plan) -> None:
         spec = self.server_spec()
@@ -416,6 +467,24 @@ class Benchmark:
                   f"{shlex.join([*spec.launcher, spec.model_dir, '--served-model-name', spec.served_model, *spec.args])}")  # fmt: skip
             for load in self.client_spec(index, side, 8000, the_plan.scale)["loads"]:
                 print(f"  vllm bench serve {shlex.join(load['args'])}   (~{load['estimate_s']:.0f} s)")
+
+    def probe_summary(self) -> dict:
+        """The first probed server of each side, compared (probe.compare_sides), and every server's probe error."""
+        firsts: dict[str, dict] = {}
+        errors = []
+        for s in self.state["servers"]:
+            p = s.get("probe")
+            if p and "error" in p:
+                errors.append(f"server {s['index']} ({s['side']}): {p['error']}")
+            elif p and s["side"] not in firsts:
+                firsts[s["side"]] = p
+        try:
+            out = probe.compare_sides(firsts)
+        except ValueError as e:
+            out = {"error": str(e)}
+        out["errors"] = errors
+        out["servers"] = {side: p.get("redraw") for side, p in firsts.items()}
+        return out
 
     def write_report(self) -> dict:
         a = self.args
@@ -441,6 +510,7 @@ class Benchmark:
             "servers_measured": sum(1 for s in servers if s.get("loads")),
             "servers_per_side_measured": {n: sum(1 for s in servers if s["side"] == n and s.get("loads")) for n in sides},
             "loads": report.summarize(report.read_results(self.results_dir), sides, a.layers, prefix_cache),
+            "probe": self.probe_summary() if a.probe else None,
             "problems": [],
             "measured_times": self.measured.to_json(),
             "skipped": self.skipped,
@@ -448,11 +518,12 @@ class Benchmark:
             "elapsed_s": time.monotonic() - self.t0,
         }
         out["problems"] = [f"{name}: {p}" for name, load in out["loads"].items() for p in load["problems"]]
+        out["problems"] += probe.problems(out["probe"]) if out["probe"] else []
         base = a.out / f"serving_{a.tag}"
         out["plot"] = "not asked for (--no-plot)" if a.no_plot else report.plot(out, base.with_suffix(".png"))
         log(out["plot"])
         base.with_suffix(".json").write_text(json.dumps(out, indent=1, default=str))
-        markdown = report.markdown(out)
+        markdown = report.markdown(out) + (probe.markdown(out["probe"]) if out["probe"] else "")
         base.with_suffix(".md").write_text(markdown)
         # The raw material beside the report: vLLM's own result files, server and client logs.
         raw = a.out / f"serving_{a.tag}_raw"
@@ -461,6 +532,17 @@ class Benchmark:
         shutil.copytree(self.logs_dir, raw / "logs")
         print(markdown, flush=True)
         return out
+
+
+def probe_profiler_config(directory: Path) -> dict:
+    """benchmarks/vllm_engine.py's torch-profiler settings, for the server's /start_profile."""
+    saved = sys.path[:]
+    sys.path.insert(0, str(REPO / "benchmarks"))  # vllm_engine is a top-level module there; it imports no vLLM
+    try:
+        import vllm_engine
+    finally:
+        sys.path[:] = saved
+    return vllm_engine.profiler_config(str(directory))
 
 
 def _json_field(path: Path, name: str):

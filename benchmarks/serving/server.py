@@ -5,7 +5,8 @@ The plugin says what it did in one INFO line per process that built the model:
 (backend triton, mode decode)`` (older checkouts write it without the parenthesised rank).
 A server of a plugin side must show it and no fallback warning; an ``off`` server must not
 show it. Anything else means the comparison would not compare what it says, so
-``confirm_side`` raises and the benchmark stops.
+``confirm_side`` raises and the benchmark stops. With tensor parallelism every rank builds the
+model and writes its own line: all ranks must, with one backend and mode between them.
 """
 
 from __future__ import annotations
@@ -50,8 +51,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def confirm_side(side: Side, log: str) -> dict:
-    """What the log says about the plugin, checked against ``side``; ServerFailed if they disagree."""
+RANK_NUMBER = re.compile(r"^rank (\d+)\b")
+
+
+def confirm_side(side: Side, log: str, ranks: int = 1) -> dict:
+    """What the log says about the plugin, checked against ``side``; ServerFailed if they disagree.
+
+    ``ranks`` > 1 (tensor parallelism): a plugin side needs the line of every rank 0 .. ranks-1,
+    each once, all naming the same backend and mode (``fused_by_rank`` in the facts)."""
     fused = [m.groupdict() for m in FUSED_LINE.finditer(log)]
     fallback = FALLBACK_LINE.findall(log)
     facts = {"fused_lines": fused, "fallback_lines": fallback}
@@ -61,9 +68,36 @@ def confirm_side(side: Side, log: str) -> dict:
                                "is missing from the server log: the plugin did not run")  # fmt: skip
         if fallback:
             raise ServerFailed(f"side {side.name}: the plugin fell back to vLLM's path: {fallback[0]}")
+        if ranks > 1:
+            facts["fused_by_rank"] = _every_rank_fused(side, fused, ranks)
     elif fused:
         raise ServerFailed(f"side {side.name}: the server log says the plugin ran ({fused[0]}), with it switched off")
     return facts
+
+
+def _every_rank_fused(side: Side, fused: list[dict], ranks: int) -> dict[int, str]:
+    """``{rank: "backend/mode"}`` of ranks 0 .. ranks-1; ServerFailed if one is missing, doubled or differs."""
+    by_rank: dict[int, str] = {}
+    for line in fused:
+        m = RANK_NUMBER.match(line["rank"] or "")
+        if m is None:
+            raise ServerFailed(f"side {side.name}: a plugin line names no rank ({line['rank']!r}) at "
+                               f"tensor-parallel size {ranks}")  # fmt: skip
+        rank = int(m.group(1))
+        if rank in by_rank:
+            raise ServerFailed(f"side {side.name}: rank {rank} wrote the plugin's line twice: two model builds?")
+        by_rank[rank] = f"{line['backend']}/{line['mode']}"
+    missing = sorted(set(range(ranks)) - set(by_rank))
+    if missing:
+        raise ServerFailed(f"side {side.name}: no plugin line from rank(s) {missing} of {ranks}: "
+                           f"those ranks run vLLM's path or did not say")  # fmt: skip
+    extra = sorted(set(by_rank) - set(range(ranks)))
+    if extra:
+        raise ServerFailed(f"side {side.name}: plugin lines from rank(s) {extra}, beyond tensor-parallel size {ranks}")
+    if len(set(by_rank.values())) > 1:
+        raise ServerFailed(f"side {side.name}: the ranks chose differently: "
+                           + ", ".join(f"rank {r} {c}" for r, c in sorted(by_rank.items())))  # fmt: skip
+    return dict(sorted(by_rank.items()))
 
 
 def notable_lines(log: str, limit: int = 40) -> list[str]:

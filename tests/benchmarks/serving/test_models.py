@@ -57,6 +57,38 @@ def test_weight_sizes():
     assert "58 MoE (256 experts x 256, top-8 + 1 shared)" in models.describe(models.stand_in_config("fp8-moe"))
 
 
+def test_full_model_is_deepseek_v3_as_published():
+    c = models.stand_in_config("full")
+    assert (c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]) == (61, 7168, 128, 128)
+    assert (c["q_lora_rank"], c["kv_lora_rank"], c["qk_rope_head_dim"], c["qk_nope_head_dim"], c["v_head_dim"]) == (
+        1536, 512, 64, 128, 128)  # fmt: skip
+    assert (c["intermediate_size"], c["moe_intermediate_size"], c["n_routed_experts"], c["num_experts_per_tok"]) == (
+        18432, 2048, 256, 8)  # fmt: skip
+    assert (c["n_shared_experts"], c["first_k_dense_replace"], c["vocab_size"], c["max_position_embeddings"]) == (
+        1, 3, 129280, 163840)  # fmt: skip
+    assert c["rope_scaling"] == {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                                 "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+    assert c["quantization_config"] == models.stand_in_config("fp8-moe")["quantization_config"]
+    # The stand-in is one rank of it: only what tensor parallelism shards differs.
+    rank = models.stand_in_config("fp8-moe")
+    assert {k for k in c if c[k] != rank[k]} == {"num_attention_heads", "num_key_value_heads", "intermediate_size",
+                                                 "moe_intermediate_size"}  # fmt: skip
+
+
+def test_full_model_per_rank_at_tp8():
+    full = models.stand_in_config("full")
+    per_rank, rank = models.weight_bytes(full, 8), models.weight_bytes(models.stand_in_config("fp8-moe"))
+    # A TP8 rank of the whole model holds the stand-in's weights but 1/8 of the embedding and LM head.
+    assert {k: per_rank[k] for k in ("attention", "dense_mlp", "moe")} == {k: rank[k] for k in ("attention", "dense_mlp", "moe")}
+    assert per_rank["embedding_and_lm_head"] == 2 * 2 * (129280 // 8) * 7168 + 2 * 7168
+    assert 84e9 < sum(per_rank.values()) < 86e9  # ~85 GB (79.3 GiB) per H200
+    assert 660e9 < sum(models.weight_bytes(full).values()) < 680e9  # 671e9 parameters, ~1 byte each, plus scales
+    assert models.check_fits(full, 8) == pytest.approx(79.3, abs=0.1)
+    with pytest.raises(ValueError, match="tensor-parallel size 4"):
+        models.check_fits(full, 4)  # ~160 GiB per rank
+    assert "~79.3 GiB per rank at tensor-parallel size 8" in models.describe(full, 8)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return models.write_model_dir(tmp_path_factory.mktemp("fp8"), models.stand_in_config("fp8-moe", 5))
@@ -103,23 +135,56 @@ def test_vllm_reads_the_fp8_stand_in_as_block_quantized_fp8(model_dir):
     assert quant.activation_scheme == "dynamic"
 
 
-@pytest.mark.vllm
-def test_vllm_allocates_the_estimated_weights_with_its_fp8_moe_method(tmp_path):
-    """vLLM builds 3 dense + 1 MoE layer of the stand-in (meta device, in a process of its own): every part's
-    bytes are the estimate's, to the byte, and the routed experts run through vLLM's Fp8MoEMethod."""
+def built_on_meta(tmp_path, config: dict) -> dict:
+    """What vLLM allocates for ``config`` on the meta device (fp8_moe_probe.py, in a process of its own)."""
     import json
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    config = models.stand_in_config("fp8-moe", 4)
     model_dir = models.write_model_dir(tmp_path / "model", config)
     probe = Path(__file__).with_name("fp8_moe_probe.py")
     out = subprocess.run([sys.executable, str(probe), str(model_dir)], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
-    built = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.vllm
+def test_vllm_allocates_the_estimated_weights_with_its_fp8_moe_method(tmp_path):
+    """vLLM builds 3 dense + 1 MoE layer of the stand-in (meta device, in a process of its own): every part's
+    bytes are the estimate's, to the byte, and the routed experts run through vLLM's Fp8MoEMethod."""
+    config = models.stand_in_config("fp8-moe", 4)
+    built = built_on_meta(tmp_path, config)
     assert built["bytes"] == models.weight_bytes(config)
     assert built["experts"] == {"method": "Fp8MoEMethod", "w13_shape": [256, 2 * 256, 7168],
                                 "w13_dtype": "torch.float8_e4m3fn"}  # fmt: skip
+
+
+@pytest.mark.vllm
+def test_vllm_reads_the_full_model_as_deepseek_v3_with_fp8_blocks(tmp_path):
+    from vllm.config import ModelConfig, ParallelConfig
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    model_dir = models.write_model_dir(tmp_path / "full", models.stand_in_config("full"))
+    mc = ModelConfig(model=str(model_dir), max_model_len=8192)
+    assert mc.quantization == "fp8" and mc.use_mla
+    assert mc.hf_config.architectures == ["DeepseekV3ForCausalLM"]
+    assert (mc.get_total_num_hidden_layers(), mc.get_vocab_size(), mc.get_hidden_size()) == (61, 129280, 7168)
+    assert mc.hf_config.num_attention_heads == 128 and mc.hf_config.moe_intermediate_size == 2048
+    assert mc.get_num_attention_heads(ParallelConfig(tensor_parallel_size=8)) == 16  # a rank's heads
+    rope = mc.hf_config.rope_parameters if hasattr(mc.hf_config, "rope_parameters") else mc.hf_config.rope_scaling
+    assert rope["factor"] == 40 and rope["original_max_position_embeddings"] == 4096
+    quant = get_quantization_config("fp8").from_config(mc.hf_config.quantization_config)
+    assert quant.weight_block_size == [128, 128] and quant.is_checkpoint_fp8_serialized
+
+
+@pytest.mark.vllm
+def test_vllm_allocates_the_estimated_weights_of_the_full_model(tmp_path):
+    """3 dense + 1 MoE layer of the whole model on the meta device (one rank: tensor-parallel size 1): its
+    full-size layers (128 heads, 18432, experts of 2048) hold exactly the estimate's bytes."""
+    config = models.stand_in_config("full", 4)
+    built = built_on_meta(tmp_path, config)
+    assert built["bytes"] == models.weight_bytes(config)
+    assert built["experts"]["w13_shape"] == [256, 2 * 2048, 7168]

@@ -138,3 +138,103 @@ def test_servers_late_by_the_measured_times_get_fewer_prompts_or_are_skipped(tmp
     bench.deadline = time.time() + 10  # nothing fits at any scale
     assert bench.run_plan(the_plan) == 0 and calls == []
     assert [s.split(":")[0] for s in bench.skipped] == ["server 0 (on)", "server 1 (off)"]
+
+
+def test_one_gpu_defaults_are_unchanged_by_the_tp_options(tmp_path):
+    """Without --tensor-parallel-size or --probe: the server command and the run keys of before (resumable runs)."""
+    a = run.parse_args(["--out", str(tmp_path)])
+    assert (a.tensor_parallel_size, a.probe) == (1, False)
+    bench = run.Benchmark(a)
+    spec = bench.server_spec()
+    assert spec.args == [*run.GPU_SERVER_ARGS, "--max-model-len", "8192"]
+    assert "VLLM_SERVER_DEV_MODE" not in bench.side_env(a.side_list[0])
+    assert bench.model_tag == "dense61" and bench.estimator.probe_s == 0.0
+    # The keys commit 2146cfd gave these configurations: runs kept on a machine still resume.
+    assert run.run_key(a, run.model_config(a)) == "4cc2c8f3d28e6793"
+    b = run.parse_args(["--out", str(tmp_path), "--model", "fp8-moe", "--layers", "20"])
+    assert run.run_key(b, run.model_config(b)) == "8f2c7719ef7c96a1"
+
+
+def test_the_full_model_at_tp8_with_the_probe(tmp_path, capsys):
+    argv = ["--out", str(tmp_path), "--model", "full", "--tensor-parallel-size", "8", "--probe", "--servers-per-side", "1",
+            "--loads", "warmup", "rate4", "saturate", "--budget-s", "430", "--dry-run"]  # fmt: skip
+    assert run.main(argv) == 0
+    out = capsys.readouterr().out
+    (server,) = [ln for ln in out.splitlines() if ln.startswith("server ")]  # one cold TP8 server per call
+    words = shlex.split(server.split(": ", 1)[1])
+    assert words[words.index("--tensor-parallel-size") + 1] == "8"
+    assert words[words.index("--worker-extension-cls") + 1] == "benchmarks.serving.probe.RedrawWeights"
+    profiler = json.loads(words[words.index("--profiler-config") + 1])
+    assert profiler["profiler"] == "torch" and profiler["torch_profiler_dir"].endswith("/traces")
+    assert "VLLM_SERVER_DEV_MODE=1" in server and "compile-cache/full61-tp8/on " in server
+    config = json.loads((tmp_path / "work" / "model-full61-tp8" / "config.json").read_text())
+    assert config["num_attention_heads"] == 128 and config["moe_intermediate_size"] == 2048
+    assert "79.3 GiB per rank" in out
+    a = run.parse_args(argv)
+    plain = run.parse_args([w for w in argv if w != "--probe"])
+    assert run.run_key(a, run.model_config(a)) != run.run_key(plain, run.model_config(plain))
+    bench = run.Benchmark(a)
+    # The plan's estimate holds the cold start, the probe, the loads, the teardown.
+    assert bench.estimator.server_s("on", False, a.load_list, 0.25) > 90 + 3 * 61 + 60
+
+
+@pytest.mark.parametrize("bad", [["--model", "full"], ["--model", "full", "--tensor-parallel-size", "4"],
+                                 ["--tensor-parallel-size", "0"]])  # fmt: skip
+def test_a_model_that_does_not_fit_its_gpus_is_refused(tmp_path, bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        run.parse_args(["--out", str(tmp_path), *bad])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "per rank" in err or "must be >= 1" in err
+
+
+def test_the_report_compares_the_probes_of_the_sides(tmp_path):
+    bench = run.Benchmark(run.parse_args(["--out", str(tmp_path), "--layers", "4", "--probe", "--no-plot"]))
+    bench.work.mkdir(parents=True)
+    for d in (bench.results_dir, bench.logs_dir):
+        d.mkdir(parents=True)
+    greedy = {"lens": [5, 9], "tokens": [[3, 4], [5, 6]], "logprobs": [[-0.5, -0.25], [-1.0, -2.0]]}
+    skewed = {**greedy, "logprobs": [[-0.5, -0.25], [-1.0, -2.5]]}
+    bench.state["servers"] = [
+        {"index": 0, "side": "on", "probe": {"greedy": greedy, "decode_profile": {"gpu_us_median": 900.0}}},
+        {"index": 1, "side": "off", "probe": {"greedy": skewed, "decode_profile": {"gpu_us_median": 1000.0}}},
+        {"index": 2, "side": "off", "probe": {"error": "OSError: refused"}},
+    ]
+    out = bench.write_report()
+    assert not out["probe"]["on vs off"]["equal"] and out["probe"]["decode_gpu_ratio_vs_off"] == {"on": 0.9}
+    assert any("greedy outputs differ" in p for p in out["problems"])
+    assert any("server 2 (off): OSError" in p for p in out["problems"])
+    assert "on vs off: DIFFERENT" in (tmp_path / "serving_dense4.md").read_text()
+
+
+def test_a_driver_ended_while_a_server_starts_leaves_no_process(tmp_path, monkeypatch):
+    """SIGTERM (the GPU script's timeout) arrives during the minutes a TP8 server takes to start: the server's
+    and the client's process groups are stopped before the driver unwinds."""
+    import os
+
+    from benchmarks.serving import server as server_module
+
+    started = []
+
+    class Recorded(server_module.Server):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+        def wait_healthy(self, timeout_s):
+            raise SystemExit(143)  # what main's SIGTERM handler raises
+
+    clients = []
+    bench = run.Benchmark(run.parse_args(["--out", str(tmp_path), *FAKE_RUN]))
+    start_client = bench.start_client
+    monkeypatch.setattr(run, "Server", Recorded)
+    monkeypatch.setattr(bench, "start_client", lambda *a: clients.append(start_client(*a)) or clients[-1])
+    bench.work.mkdir(parents=True)
+    bench.logs_dir.mkdir(parents=True)
+    with pytest.raises(SystemExit):
+        bench._start(0, bench.args.side_list[0], False, 1.0, {})
+    (server,), (client,) = started, clients
+    assert server.proc.returncode is not None and client.returncode is not None
+    for pid in (server.proc.pid, client.pid):
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)

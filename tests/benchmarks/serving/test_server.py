@@ -109,3 +109,52 @@ def test_a_server_that_never_gets_healthy(tmp_path, monkeypatch):
             server.wait_healthy(2)
     finally:
         server.stop(grace_s=5)
+
+
+def tp_log(ranks=range(8), mode=lambda r: "decode", backend=lambda r: "triton") -> str:
+    """A TP8 server's log: each worker's line, as vLLM prefixes a worker's output, interleaved with others."""
+    lines = [f"(Worker_TP{r} pid={100 + r}) INFO 12-02 05:44:09 [layer.py:119] vllm-mla-fusion (rank {r}, local rank {r}): "
+             f"MLA layers use the fused RoPE + KV-cache write (backend {backend(r)}, mode {mode(r)})\nINFO other {r}"
+             for r in ranks]  # fmt: skip
+    return "\n".join(lines)
+
+
+def test_every_rank_of_eight_fused_alike():
+    facts = confirm_side(parse_side("on"), tp_log(ranks=[3, 0, 7, 1, 2, 6, 5, 4]), ranks=8)
+    assert facts["fused_by_rank"] == {r: "triton/decode" for r in range(8)}
+    assert len(facts["fused_lines"]) == 8
+
+
+def test_a_missing_rank_fails():
+    with pytest.raises(ServerFailed, match=r"no plugin line from rank\(s\) \[5\] of 8"):
+        confirm_side(parse_side("on"), tp_log(ranks=[0, 1, 2, 3, 4, 6, 7]), ranks=8)
+
+
+def test_a_rank_that_fell_back_fails():
+    log = tp_log(ranks=[0, 1, 2, 4, 5, 6, 7]) + "\n(Worker_TP3 pid=103) " + FALLBACK.replace("rank 0, local rank 0", "rank 3, local rank 3")
+    with pytest.raises(ServerFailed, match="fell back.*rank 3"):
+        confirm_side(parse_side("on"), log, ranks=8)
+
+
+def test_ranks_that_chose_differently_fail():
+    with pytest.raises(ServerFailed, match="chose differently.*rank 6 triton/rope_cache"):
+        confirm_side(parse_side("on"), tp_log(mode=lambda r: "rope_cache" if r == 6 else "decode"), ranks=8)
+    with pytest.raises(ServerFailed, match="chose differently.*rank 0 torch/decode"):
+        confirm_side(parse_side("on"), tp_log(backend=lambda r: "torch" if r == 0 else "triton"), ranks=8)
+
+
+def test_doubled_unnamed_or_surplus_ranks_fail():
+    with pytest.raises(ServerFailed, match="rank 2 wrote the plugin's line twice"):
+        confirm_side(parse_side("on"), tp_log(ranks=[0, 1, 2, 2, 3, 4, 5, 6, 7]), ranks=8)
+    with pytest.raises(ServerFailed, match="names no rank"):
+        confirm_side(parse_side("on"), tp_log() + "\n" + OLD_LINE, ranks=8)
+    with pytest.raises(ServerFailed, match=r"beyond tensor-parallel size 8"):
+        confirm_side(parse_side("on"), tp_log(ranks=range(9)), ranks=8)
+    # One GPU: one line, however it names its rank (the check before tensor parallelism, unchanged).
+    assert len(confirm_side(parse_side("on"), OLD_LINE, ranks=1)["fused_lines"]) == 1
+
+
+def test_off_at_tp8_must_have_no_rank_line():
+    with pytest.raises(ServerFailed, match="switched off"):
+        confirm_side(parse_side("off"), tp_log(ranks=[4]), ranks=8)
+    assert confirm_side(parse_side("off"), "INFO nothing\n", ranks=8)["fused_lines"] == []

@@ -25,7 +25,7 @@ LOADS = ["name=warm,in=16,out=2,rate=inf,prompts=2,warmup=1", "name=burst,in=64,
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("serving_smoke")
     status = run.main(["--out", str(out), "--cpu", "--model", "tiny", "--servers-per-side", "1", "--budget-s", "560",
-                       "--loads", *LOADS])  # fmt: skip
+                       "--probe", "--loads", *LOADS])  # fmt: skip
     return status, out, json.loads((out / "serving_tiny.json").read_text())
 
 
@@ -65,3 +65,20 @@ def test_the_report_holds_vllms_figures_per_side(smoke):
     md = (out / "serving_tiny.md").read_text()
     assert md.count("| metric | on | off | on / off |") == 2
     assert data["plot"].endswith(".png") or data["plot"].startswith("no plot: matplotlib")
+
+
+def test_the_probe_redrew_the_weights_and_on_equals_off(smoke):
+    """--probe through vLLM's own server: the worker extension reached the model's 3 MLA layers through
+    /collective_rpc, greedy outputs are not degenerate and equal on and off (float32 on the CPU), and the
+    profiler wrote rank 0's trace (no GPU kernels on a CPU: no decode-step time)."""
+    _, out, data = smoke
+    for server in data["servers"]:
+        p = server["probe"]
+        assert "error" not in p, p
+        assert [(r["tp_rank"], r["mla_layers"], r["sharded"]) for r in p["redraw"]] == [(0, 3, 0)]
+        assert p["decode_profile"]["trace"].startswith(f"decode-{server['index']:02d}-")
+        assert p["decode_profile"]["decode_steps"] > 0
+    c = data["probe"]["on vs off"]
+    assert c["equal"] and c["degenerate"] is None, c
+    assert (out / "serving_tiny_raw" / "results" / "probe-00-on.json").is_file()
+    assert "on vs off: equal" in (out / "serving_tiny.md").read_text()
