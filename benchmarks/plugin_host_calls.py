@@ -236,17 +236,17 @@ def main(argv=None) -> int:
         timed("plugin: _PrefillStep(...) construction", prefill_step)
 
         def set_step_attribute():
-            mla_on._prefill_step = None  # forward_fused sets two such attributes twice a step
+            mla_on._steps.prefill = None  # forward_fused sets two such attributes twice a step
 
-        timed("plugin: one step attribute set on the layer (torch.nn.Module.__setattr__)", set_step_attribute)
+        timed("plugin: one step attribute set (a plain object's slot)", set_step_attribute)
         vllm_concat = type(impl_on)._concat_k_nope_k_pe.__get__(impl_on)
 
         def assemble_key():
-            mla_on._prefill_step = prefill_step()
+            mla_on._steps.prefill = prefill_step()
             mla_on.assemble_prefill_key(k_nope_on, k_pe_on, vllm_concat)
 
         timed("plugin: assemble_prefill_key (+ a _PrefillStep; op 3 on the torch backend)", assemble_key, 50)
-        mla_on._prefill_step = None
+        mla_on._steps.prefill = None
         k_out = torch.empty((T, args.heads, k_nope_on.shape[-1] + rope_dim), dtype=k_nope_on.dtype)
         timed("plugin: torch.empty(k_out)", lambda: torch.empty(
             (T, args.heads, k_nope_on.shape[-1] + rope_dim), dtype=k_nope_on.dtype, device=k_nope_on.device))  # fmt: skip

@@ -87,6 +87,19 @@ class _PrefillStep:
     assembled: bool = False
 
 
+class _Steps:
+    """The decode and prefill steps forward_fused prepared, for the hooks forward_impl calls.
+
+    A plain object rather than attributes of the layer: setting an attribute of a torch module
+    goes through ``nn.Module.__setattr__`` (~1 us each, four per layer and step)."""
+
+    __slots__ = ("decode", "prefill")
+
+    def __init__(self) -> None:
+        self.decode: _DecodeStep | None = None
+        self.prefill: _PrefillStep | None = None
+
+
 def _rows(first: int, last: int, num_tokens: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``t[first:last]`` of each tensor, or the tensors themselves when that is all ``num_tokens``
     rows (a prefill-only step without padding): the ops read only their first ``T`` entries, and
@@ -99,8 +112,7 @@ def _rows(first: int, last: int, num_tokens: int, *tensors: torch.Tensor) -> tup
 class FusedMLAAttention(MLAAttention):
     """An MLAAttention whose RoPE, cache write and decode query come from the fused ops."""
 
-    _fused_step: _DecodeStep | None
-    _prefill_step: _PrefillStep | None
+    _steps: _Steps  # what the step in progress prepared for forward_impl's hooks
     _decode_query_dtype: torch.dtype | None  # fp8 when the backend takes an fp8 query
     _prefill_key_fused: bool  # the backend's forward_mha builds the key through _concat_k_nope_k_pe
     _prefill_key_reasons: set[str]  # per-step fallback reasons already logged
@@ -129,8 +141,7 @@ class FusedMLAAttention(MLAAttention):
 
         prefill_reason = eligibility.prefill_key_reason(attn.impl)
         attn.__class__ = cls
-        attn._fused_step = None
-        attn._prefill_step = None
+        attn._steps = _Steps()
         attn._decode_query_dtype = current_platform.fp8_dtype() if fp8_query else None
         attn._prefill_key_fused = prefill_reason is None
         attn._prefill_key_reasons = set()
@@ -239,11 +250,12 @@ class FusedMLAAttention(MLAAttention):
                 positions[:num_decode], k_pe[:num_decode], kv_c_normed[:num_decode], slots[:num_decode], cache,
                 cache_dtype, cos_sin_cache, is_neox,
             )  # fmt: skip
-        self._fused_step, self._prefill_step = step, prefill
+        steps = self._steps
+        steps.decode, steps.prefill = step, prefill
         try:
             self.forward_impl(q, kv_c_normed, k_pe, kv_cache, attn_metadata, output=output)
         finally:
-            self._fused_step = self._prefill_step = None
+            steps.decode = steps.prefill = None
         # forward_impl took a route this plugin does not know: the tokens' RoPE and cache
         # rows would be missing. Fail loudly.
         if step is not None and not step.assembled:
@@ -264,7 +276,7 @@ class FusedMLAAttention(MLAAttention):
         fused step is the step's own tokens; any other (the chunked context, read
         back from the cache already rotated) is vLLM's concat.
         """
-        step = self._prefill_step
+        step = self._steps.prefill
         if step is None or step.assembled:
             return vllm_concat(k_nope, k_pe)
         step.assembled = True
@@ -292,7 +304,7 @@ class FusedMLAAttention(MLAAttention):
 
     def assemble_decode_query(self, ql_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """``[ql_nope | rope(q_pe)]`` ``[B, H, L + R]`` (fp8 if the backend wants it), caching the decode rows."""
-        step = self._fused_step
+        step = self._steps.decode
         if step is None:
             raise RuntimeError(
                 f"vllm-mla-fusion: decode attention of {self.layer_name} ran outside the fused attention op"
