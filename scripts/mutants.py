@@ -111,7 +111,7 @@ MUTANTS = [
            "        kv_c.shape[1:], kv_c.stride(), kv_c.device,",
            "tests/test_binding.py -k bad_input", "a dtype change skips validation"),
     Mutant("bound-launch-alignment-unchecked", K,
-           "& _ALIGNMENT_MASK:", "& 0:",
+           "| data[8]) & _ALIGNMENT_MASK", "| data[8]) & 0",
            "tests/backends/test_triton_launch.py -k anything_triton",
            "a variant compiled for aligned pointers launched with misaligned ones"),
     Mutant("bound-launch-hooks-ignored", K,

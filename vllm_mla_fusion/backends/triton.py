@@ -662,8 +662,9 @@ class BoundLaunch:
                     q_pe.data_ptr() if out is None else nope.data_ptr(),
                     q_pe.data_ptr() if out is None else out.data_ptr(),
                     cs if out_scale is None else out_scale.data_ptr())  # fmt: skip
-            cs_, q, k, c, cache, cache_scale, nope_p, out_p, out_scale_p = data
-            if not (cs_ | q | k | c | cache | cache_scale | nope_p | out_p | out_scale_p) & _ALIGNMENT_MASK:
+            aligned = not (data[0] | data[1] | data[2] | data[3] | data[4] | data[5] | data[6] | data[7]
+                           | data[8]) & _ALIGNMENT_MASK  # every data pointer 16-byte aligned  # fmt: skip
+            if aligned:
                 device = self.device_index
                 if self._current_device() != device:
                     # Launch on the tensors' GPU, not the current one ("an illegal memory access").
