@@ -203,13 +203,14 @@ def main(argv=None) -> int:
         real_load, real_slow = dispatch.load, tb.BoundLaunch._launch_through_triton
         dispatch.load = lambda name: tb
         tb.BoundLaunch._launch_through_triton = lambda *a: None
-        mla_on._bound_ops = {}
+        layer_ops = mla_on._bound_ops
+        mla_on._bound_ops = binding.BoundOps(layer_ops.backend, layer_ops.debug)
         try:
             timed("plugin: forward_fused, key only, Triton host path with the launch stubbed",
                   lambda: mla_on.forward_fused(*got["forward_fused"][0]))  # fmt: skip
         finally:
             dispatch.load, tb.BoundLaunch._launch_through_triton = real_load, real_slow
-            mla_on._bound_ops = {}
+            mla_on._bound_ops = layer_ops
         mla_on.forward_impl = lambda *a, **k: None
         mla_on._prefill_key_fused = False  # no key step prepared: nothing asks for it
         timed("plugin: forward_fused, forward_impl a no-op, key step off (op 1 instead of op 3)",

@@ -111,8 +111,8 @@ class BoundOp:
         if not rows_agree:
             entry = self._bind(args)
             T = q_pe.shape[0]
-        if self.debug:
-            self._validate(args)  # the index-value checks run with validation in debug mode
+        if self.debug and rows_agree:
+            self._validate(args)  # the index-value checks run with validation (_bind ran it otherwise)
         if not T:
             return
         if torch.autograd._profiler_enabled():
@@ -166,3 +166,21 @@ class BoundOp:
             entry = self.sites[key] = (site, name)
         return entry
 
+
+
+class BoundOps:
+    """The BoundOps of one owner (a vLLM layer, a module), made on first use per flag set, all
+    with the same backend and debug mode, fixed when the owner is built."""
+
+    def __init__(self, backend: str = "auto", debug: bool = False) -> None:
+        self.backend, self.debug = backend, debug
+        self._ops: dict[tuple, BoundOp] = {}
+
+    def get(self, op: int, kv_cache_dtype: str, is_neox: bool, is_nope_first: bool = True) -> BoundOp:
+        key = (op, kv_cache_dtype, is_neox, is_nope_first)
+        bound = self._ops.get(key)
+        if bound is None:
+            bound = self._ops[key] = BoundOp(op, is_neox=is_neox, kv_cache_dtype=kv_cache_dtype,
+                                             is_nope_first=is_nope_first, backend=self.backend,
+                                             debug=self.debug)  # fmt: skip
+        return bound

@@ -31,7 +31,7 @@ from types import SimpleNamespace
 import torch
 
 from . import dispatch, validation
-from .binding import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE, BoundOp
+from .binding import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE, BoundOp, BoundOps
 from .validation import check_argument_types
 
 __all__ = ["mla_rope_cache_write", "mla_decode_rope_cache_write", "mla_prefill_rope_cache_write", "eager"]
@@ -40,21 +40,19 @@ NAMESPACE = "mla_fusion"
 # The ops' lifetime is the library object's: kept for the process.
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 
-# (op, is_neox, kv_cache_dtype, is_nope_first, backend, debug) -> BoundOp
-_BOUND: dict[tuple, BoundOp] = {}
+# (backend asked for, debug mode) -> the public ops' BoundOps for that setting
+_BOUND: dict[tuple[str, bool], BoundOps] = {}
 
 
 def bound_op(op: int, is_neox: bool, kv_cache_dtype: str, is_nope_first: bool, backend: str | None) -> BoundOp:
     """The BoundOp a public call runs through. The backend named by the keyword or
     ``VLLM_MLA_FUSION_BACKEND`` and ``VLLM_MLA_FUSION_DEBUG`` are read per call here (users
     and tests change them between calls); the plugin's BoundOps read them once."""
-    key = (op, is_neox, kv_cache_dtype, is_nope_first, dispatch.requested_backend(backend),
-           validation.debug_enabled())  # fmt: skip
-    bound = _BOUND.get(key)
-    if bound is None:
-        bound = _BOUND[key] = BoundOp(op, is_neox=is_neox, kv_cache_dtype=kv_cache_dtype,
-                                      is_nope_first=is_nope_first, backend=key[4], debug=key[5])  # fmt: skip
-    return bound
+    setting = (dispatch.requested_backend(backend), validation.debug_enabled())
+    table = _BOUND.get(setting)
+    if table is None:
+        table = _BOUND[setting] = BoundOps(*setting)
+    return table.get(op, kv_cache_dtype, is_neox, is_nope_first)
 
 
 # --- the ops' definitions: signature -> (flags, tensors in BoundOp's order) -------------------

@@ -43,7 +43,7 @@ from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
 from .. import validation
-from ..binding import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE, BoundOp
+from ..binding import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE, BoundOps
 from . import ENV_PREWARM, eligibility, env_enabled, prewarm
 from .custom_ops import write_target
 
@@ -118,9 +118,9 @@ class FusedMLAAttention(MLAAttention):
     _prefill_key_reasons: set[str]  # per-step fallback reasons already logged
     _prewarm_block_size: int | None  # the cache's block size, when kernels are compiled in the profile run
     _decode_assembles_query: bool  # op 2 builds [ql_nope | rope(q_pe)]; else op 1 rotates the decode rows
-    _backend: str  # the backend the ops resolve to on this layer's device
-    _debug: bool  # VLLM_MLA_FUSION_DEBUG when the layer was built
-    _bound_ops: dict[tuple, BoundOp]  # (op, kv_cache_dtype, is_neox) -> the layer's bound op
+    # The layer's ops: its backend and VLLM_MLA_FUSION_DEBUG fixed when it was built; keyed by
+    # the cache format too, since profile runs write through a scratch cache ("auto").
+    _bound_ops: BoundOps
 
     @classmethod
     def promote(cls, attn: MLAAttention, backend: str, block_size: int) -> FusedMLAAttention:
@@ -147,9 +147,7 @@ class FusedMLAAttention(MLAAttention):
         attn._prefill_key_reasons = set()
         attn._prewarm_block_size = block_size if backend != "torch" and env_enabled(ENV_PREWARM) else None
         attn._decode_assembles_query = assemble_reason is None
-        attn._backend = backend
-        attn._debug = validation.debug_enabled()
-        attn._bound_ops = {}
+        attn._bound_ops = BoundOps(backend, validation.debug_enabled())
         if fp8_query:
             attn._decode_concat_quant_fp8_op = _DeferredDecodeQuery()
         if assemble_reason is None:
@@ -180,18 +178,6 @@ class FusedMLAAttention(MLAAttention):
             self._prefill_key_reasons.add(reason)  # once per layer and reason, never per step
             logger.debug("vllm-mla-fusion: %s keeps vLLM's prefill key for such steps: %s", self.layer_name, reason)
         return reason is None
-
-    def _op(self, op: int, kv_cache_dtype: str, is_neox: bool) -> BoundOp:
-        """This layer's bound op: its flags and backend fixed once, its layouts validated once.
-
-        Keyed by the cache format too: profile runs write through a scratch cache ("auto").
-        """
-        bound = self._bound_ops.get((op, kv_cache_dtype, is_neox))
-        if bound is None:
-            bound = BoundOp(op, is_neox=is_neox, kv_cache_dtype=kv_cache_dtype, backend=self._backend,
-                            debug=self._debug)  # fmt: skip
-            self._bound_ops[(op, kv_cache_dtype, is_neox)] = bound
-        return bound
 
     def forward_fused(
         self,
@@ -242,8 +228,8 @@ class FusedMLAAttention(MLAAttention):
         if last > first:
             pos, q_pe, k_pe_rows, kv_c, slot = _rows(first, last, num_tokens, positions, q[..., -rope_dim:], k_pe,
                                                      kv_c_normed, slots)  # fmt: skip
-            self._op(OP_ROPE_CACHE, cache_dtype, is_neox)(pos, q_pe, k_pe_rows, kv_c, cos_sin_cache, slot, cache,
-                                                         self._k_scale)  # fmt: skip
+            op1 = self._bound_ops.get(OP_ROPE_CACHE, cache_dtype, is_neox)
+            op1(pos, q_pe, k_pe_rows, kv_c, cos_sin_cache, slot, cache, self._k_scale)
         step = None
         if num_decode > 0 and self._decode_assembles_query:
             step = _DecodeStep(
@@ -288,7 +274,7 @@ class FusedMLAAttention(MLAAttention):
                 "vllm-mla-fusion: unexpected prefill key input %s %s in %s; using op 1 + vLLM's concat",
                 tuple(k_nope.shape), k_nope.dtype, self.layer_name,
             )  # fmt: skip
-            self._op(OP_ROPE_CACHE, step.kv_cache_dtype, step.is_neox)(
+            self._bound_ops.get(OP_ROPE_CACHE, step.kv_cache_dtype, step.is_neox)(
                 step.positions, step.q_pe, k_pe, step.kv_c, step.cos_sin_cache, step.slot_mapping, step.kv_cache,
                 self._k_scale,
             )  # fmt: skip
@@ -296,7 +282,7 @@ class FusedMLAAttention(MLAAttention):
         k_out = torch.empty(
             (num_tokens, num_heads, k_nope.shape[-1] + rope_dim), dtype=k_nope.dtype, device=k_nope.device
         )
-        self._op(OP_PREFILL, step.kv_cache_dtype, step.is_neox)(
+        self._bound_ops.get(OP_PREFILL, step.kv_cache_dtype, step.is_neox)(
             step.positions, step.q_pe, k_pe, step.kv_c, step.cos_sin_cache, step.slot_mapping, step.kv_cache,
             self._k_scale, k_nope, k_out,
         )  # fmt: skip
@@ -315,7 +301,7 @@ class FusedMLAAttention(MLAAttention):
             dtype=self._decode_query_dtype or ql_nope.dtype,
             device=ql_nope.device,
         )
-        self._op(OP_DECODE, step.kv_cache_dtype, step.is_neox)(
+        self._bound_ops.get(OP_DECODE, step.kv_cache_dtype, step.is_neox)(
             step.positions, q_pe, step.k_pe, step.kv_c, step.cos_sin_cache, step.slot_mapping, step.kv_cache,
             self._k_scale, ql_nope, q_out, self._q_scale if self._decode_query_dtype is not None else None,
         )  # fmt: skip

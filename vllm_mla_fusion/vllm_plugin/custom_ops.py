@@ -27,7 +27,7 @@ from vllm.platforms import current_platform
 from vllm.utils.torch_utils import LayerNameType, _resolve_layer_name, direct_register_custom_op
 
 from .. import dispatch, validation
-from ..binding import OP_ROPE_CACHE, BoundOp
+from ..binding import OP_ROPE_CACHE, BoundOps
 
 NAMESPACE = "mla_fusion_vllm"
 ATTENTION_OP = f"{NAMESPACE}::mla_attention_with_output"
@@ -56,19 +56,10 @@ def write_target(
     return scratch, slots, "auto"
 
 
-# (kv_cache_dtype, is_neox) -> op 1 bound for rope_cache-mode layers (MLAAttention instances of
-# vLLM's own, so the ops live here rather than on the layer); backend and debug mode are read
-# once, when a combination is first used.
-_ROPE_CACHE_OPS: dict[tuple, BoundOp] = {}
-
-
-def _rope_cache_op(kv_cache_dtype: str, is_neox: bool) -> BoundOp:
-    bound = _ROPE_CACHE_OPS.get((kv_cache_dtype, is_neox))
-    if bound is None:
-        bound = BoundOp(OP_ROPE_CACHE, is_neox=is_neox, kv_cache_dtype=kv_cache_dtype,
-                        backend=dispatch.requested_backend(), debug=validation.debug_enabled())  # fmt: skip
-        _ROPE_CACHE_OPS[(kv_cache_dtype, is_neox)] = bound
-    return bound
+# Op 1 for rope_cache-mode layers (MLAAttention instances of vLLM's own, so the ops live here
+# rather than on the layer). Made when a layer first selects this mode (this module is imported
+# then): the backend asked for and the debug mode are read once.
+_ROPE_CACHE_OPS = BoundOps(dispatch.requested_backend(), validation.debug_enabled())
 
 
 def rope_kv_cache_update(
@@ -94,7 +85,8 @@ def rope_kv_cache_update(
     cache, slots, cache_dtype = write_target(
         kv_cache, slot_mapping, kv_cache_dtype, q.shape[0], kv_c_normed.shape[-1] + rope_dim, kv_c_normed
     )
-    _rope_cache_op(cache_dtype, is_neox)(positions, q_pe, k_pe, kv_c_normed, cos_sin_cache, slots, cache, k_scale)
+    op1 = _ROPE_CACHE_OPS.get(OP_ROPE_CACHE, cache_dtype, is_neox)
+    op1(positions, q_pe, k_pe, kv_c_normed, cos_sin_cache, slots, cache, k_scale)
     return torch.empty(0, device=kv_c_normed.device, dtype=kv_c_normed.dtype)
 
 
