@@ -110,13 +110,6 @@ class LaunchCounter:
             return counted
 
         monkeypatch.setattr(backend_module, "bind", bind)
-        # rope_cache-mode layers share module-level bound ops: start without sites bound by
-        # earlier tests, so that every site of this test is a counted one.
-        from vllm_mla_fusion.binding import BoundOps
-        from vllm_mla_fusion.vllm_plugin import custom_ops
-
-        monkeypatch.setattr(custom_ops, "_ROPE_CACHE_OPS", BoundOps(custom_ops._ROPE_CACHE_OPS.backend,
-                                                                  custom_ops._ROPE_CACHE_OPS.debug))  # fmt: skip
 
     def of(self, op: int):
         counter = self

@@ -26,7 +26,7 @@ from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfe
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import LayerNameType, _resolve_layer_name, direct_register_custom_op
 
-from .. import dispatch, validation
+from .. import validation
 from ..binding import OP_ROPE_CACHE, BoundOps
 
 NAMESPACE = "mla_fusion_vllm"
@@ -56,10 +56,13 @@ def write_target(
     return scratch, slots, "auto"
 
 
-# Op 1 for rope_cache-mode layers (MLAAttention instances of vLLM's own, so the ops live here
-# rather than on the layer). Made when a layer first selects this mode (this module is imported
-# then): the backend asked for and the debug mode are read once.
-_ROPE_CACHE_OPS = BoundOps(dispatch.requested_backend(), validation.debug_enabled())
+ROPE_CACHE_OPS_ATTR = "_mla_fusion_rope_cache_ops"
+
+
+def bind_rope_cache_ops(attn: torch.nn.Module, backend: str) -> None:
+    """Give a rope_cache-mode layer (vLLM's own MLAAttention) its op 1: backend and debug mode
+    fixed when the layer is built, layouts validated once, as a decode-mode layer's ops."""
+    setattr(attn, ROPE_CACHE_OPS_ATTR, BoundOps(backend, validation.debug_enabled()))
 
 
 def rope_kv_cache_update(
@@ -79,13 +82,13 @@ def rope_kv_cache_update(
     kv_c_normed ``[T, L]``. Returns an empty tensor that the attention op
     takes as ``kv_cache_dummy_dep``, so that the write is ordered before it.
     """
-    _, _, kv_cache, slot_mapping = get_attention_context(_resolve_layer_name(layer_name))
+    _, layer, kv_cache, slot_mapping = get_attention_context(_resolve_layer_name(layer_name))
     rope_dim = k_pe.shape[-1]
     q_pe = q[..., q.shape[-1] - rope_dim :]
     cache, slots, cache_dtype = write_target(
         kv_cache, slot_mapping, kv_cache_dtype, q.shape[0], kv_c_normed.shape[-1] + rope_dim, kv_c_normed
     )
-    op1 = _ROPE_CACHE_OPS.get(OP_ROPE_CACHE, cache_dtype, is_neox)
+    op1 = getattr(layer, ROPE_CACHE_OPS_ATTR).get(OP_ROPE_CACHE, cache_dtype, is_neox)
     op1(positions, q_pe, k_pe, kv_c_normed, cos_sin_cache, slots, cache, k_scale)
     return torch.empty(0, device=kv_c_normed.device, dtype=kv_c_normed.dtype)
 

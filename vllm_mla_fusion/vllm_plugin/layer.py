@@ -103,7 +103,7 @@ class FusedMultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
                 logger.debug(
                     "vllm-mla-fusion: %s assembles the decode query the vLLM way: %s", self.prefix, decode_reason
                 )
-                self._setup_rope_cache_mode()
+                self._setup_rope_cache_mode(backend)
         except Exception as e:  # noqa: BLE001 - any setup failure means vLLM's path, never a half-fused layer
             self.fusion_mode = None
             logger.warning_once(
@@ -123,9 +123,12 @@ class FusedMultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
             scope="process",  # one line per rank, so ranks that chose differently are visible
         )
 
-    def _setup_rope_cache_mode(self) -> None:
-        from . import custom_ops  # noqa: F401 - registers torch.ops.mla_fusion_vllm.*
+    def _setup_rope_cache_mode(self, backend: str) -> None:
+        from . import custom_ops
 
+        # Op 1's bound ops live on the attention layer, where rope_kv_cache_update finds them
+        # by the layer's name; backend and debug mode fixed now, as in decode mode.
+        custom_ops.bind_rope_cache_ops(self.mla_attn, backend)
         self.fusion_mode = MODE_ROPE_CACHE
 
     def _setup_decode_mode(self, vllm_config, backend: str) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from .. import fp8
 from ..backends import triton as triton_backend
-from ..ops import eager
+from ..binding import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE
 from ..validation import Problem
 
 # (layer signature) -> done; once per process for each distinct set of shapes and dtypes.
@@ -68,24 +68,18 @@ def kernels(attn, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor
     # The ops this layer can launch: op 1 always (the profile run, prefill rows whose key vLLM
     # builds, decode rows on backends that take the pair), op 2 where it assembles the decode
     # query, op 3 where it builds the prefill key.
-    calls = {
-        triton_backend.OP_ROPE_CACHE.value: lambda: eager.mla_rope_cache_write(
-            pos, q_pe, k_pe1, kv_c, cos_sin_cache, is_neox, slots, cache, kvd, k_scale
-        ),
-    }
+    common = (pos, q_pe, k_pe1, kv_c, cos_sin_cache, slots, cache, k_scale)
+    calls = {OP_ROPE_CACHE: common}
     if attn._decode_assembles_query:
-        calls[triton_backend.OP_DECODE.value] = lambda: eager.mla_decode_rope_cache_write(
-            pos, ql_nope, q_pe, k_pe1, kv_c, cos_sin_cache, is_neox, slots, cache, q_out, kvd, k_scale, q_scale, True
-        )
+        calls[OP_DECODE] = (*common, ql_nope, q_out, q_scale)
     if attn._prefill_key_fused:
-        calls[triton_backend.OP_PREFILL.value] = lambda: eager.mla_prefill_rope_cache_write(
-            pos, q_pe, k_pe1, kv_c, kv_nope[..., :P], cos_sin_cache, is_neox, slots, cache, k_out, kvd, k_scale
-        )
+        calls[OP_PREFILL] = (*common, kv_nope[..., :P], k_out, None)
     launched = 0
-    for op, call in calls.items():
+    for op, args in calls.items():
         p = Problem(1, H, L, R, cache_dtype, nope_dim=P)
+        bound = attn._bound_ops.get(op, kvd, is_neox)  # the layer's own ops, as its steps call them
         for cfg in triton_backend.launch_configs(p, op, device, max_tokens):
             with triton_backend.forced_launch_config(cfg):
-                call()
+                bound(*args)
             launched += 1
     return launched
