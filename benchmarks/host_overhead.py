@@ -76,7 +76,7 @@ def _raw_run(site, T: int, tensors: tuple):
     pos, q_pe, k_pe, kv_c, cs, slots, cache, kv_scale, nope, out, out_scale = tensors
     args = (pos.data_ptr(), slots.data_ptr(), cs.data_ptr(), q_pe.data_ptr(), k_pe.data_ptr(), kv_c.data_ptr(),
             cache.data_ptr(), cs.data_ptr(), nope.data_ptr(), out.data_ptr(), cs.data_ptr(), T, *site.sizes,
-            cache.shape[0] * cache.shape[1], plan.n_cache, *site.strides, *plan.values)  # fmt: skip
+            cache.shape[0] * cache.shape[1], plan.n_cache, 0, *site.strides, *plan.values)  # fmt: skip
     stream = torch.cuda.current_stream().cuda_stream
 
     def call():
@@ -128,13 +128,13 @@ def main() -> int:
         "decode backend": lambda: dec_site(T, *dec_t),
         "decode backend, CompiledKernel.run": _raw_run(dec_site, T, dec_t),
         "decode backend, Triton's launch path": lambda: dec_site._launch_through_triton(
-            dec_site.plan(T), T, cache.shape[0] * cache.shape[1], *dec_t),
+            dec_site.plan(T), T, cache.shape[0] * cache.shape[1], 0, *dec_t),
         "prefill public": lambda: mla.mla_prefill_rope_cache_write(*pre),
         "prefill eager": lambda: eager.mla_prefill_rope_cache_write(*pre),
         "prefill bound op (plugin)": lambda: pre_op(*pre_t),
         "prefill backend": lambda: pre_site(T, *pre_t),
         "prefill backend, Triton's launch path": lambda: pre_site._launch_through_triton(
-            pre_site.plan(T), T, cache.shape[0] * cache.shape[1], *pre_t),
+            pre_site.plan(T), T, cache.shape[0] * cache.shape[1], 0, *pre_t),
         "trivial triton kernel": lambda: _trivial[(1,)](scale),
         "torch x.add_(1)": lambda: scale.add_(1),
     }

@@ -96,6 +96,7 @@ def make_case(
     nope_dim: int = 24,
     k_out_dtype: torch.dtype | None = None,
     k_out_strided: bool = False,
+    key_start: int = 0,
     spare_blocks: int = 2,
     kv_c_3d: bool = False,
     inner_stride: tuple[str, ...] = (),
@@ -172,15 +173,21 @@ def make_case(
         case.q_scale = None if q_scale is None else torch.tensor([q_scale], dtype=torch.float32)
         case.is_nope_first = is_nope_first
     if prefill:
-        # k_nope as vLLM hands it over: the first P columns of kv_b_proj's [T, H, P + V] output.
-        kv_nope = randn(T, H, nope_dim + 8)
-        case.k_nope = kv_nope[..., :nope_dim] if strided else randn(T, H, nope_dim)
+        # k_nope as vLLM hands it over: the first P columns of kv_b_proj's [T, H, P + V] output;
+        # one row per token from key_start on (a mixed batch's decode tokens have none).
+        rows = T - key_start
+        case.key_start = key_start
+        kv_nope = randn(rows, H, nope_dim + 8)
+        case.k_nope = kv_nope[..., :nope_dim] if strided else randn(rows, H, nope_dim)
         k_out_dtype = k_out_dtype or act_dtype
         width = nope_dim + R
-        pad = 5 if k_out_strided else 0  # a view into a wider buffer, to check what it must not touch
-        raw = torch.randint(0, 256, (T * H * (width + pad) * k_out_dtype.itemsize,), dtype=torch.uint8, generator=gen)
-        k_out_parent = raw.view(k_out_dtype).view(T, H, width + pad)
-        case.k_out = k_out_parent[..., pad:]
+        # A view into a wider buffer with a guard row before and after, to check what it must not
+        # touch (a key row for a token before key_start would land in the first).
+        pad, guard = (5, 1) if k_out_strided else (0, 0)
+        n = (rows + 2 * guard) * H * (width + pad) * k_out_dtype.itemsize
+        raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+        k_out_parent = raw.view(k_out_dtype).view(rows + 2 * guard, H, width + pad)
+        case.k_out = k_out_parent[guard : guard + rows, :, pad:]
         if k_out_strided:
             parents["k_out"] = k_out_parent
     for how, names in (("inner_stride", inner_stride), ("transposed", transposed)):

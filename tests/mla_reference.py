@@ -121,9 +121,10 @@ class Case:
     q_out: torch.Tensor | None = None
     q_scale: torch.Tensor | None = None
     is_nope_first: bool = True
-    # prefill op
+    # prefill op: k_nope / k_out rows are the key of tokens key_start .. T - 1
     k_nope: torch.Tensor | None = None
     k_out: torch.Tensor | None = None
+    key_start: int = 0
     # parents of strided views, to check bytes around the views
     parents: dict = field(default_factory=dict)
     originals: dict = field(default_factory=dict)
@@ -281,7 +282,8 @@ def check_identity_rope_stores(case: Case) -> None:
         assert_bytes_equal(rope, want, "q_out rope part")
 def check_prefill_rope_cache_write(case: Case) -> None:
     """After ``mla_prefill_rope_cache_write``: everything op 1 guarantees, plus the key
-    ``k_out[t, h] = [k_nope[t, h] | rope(k_pe[t])]`` for every token (padding included).
+    ``k_out[t - s, h] = [k_nope[t - s, h] | rope(k_pe[t])]`` for every token ``t >= s``
+    (``s = case.key_start``; padding tokens included).
 
     Key contract: the nope part is an exact copy for a k_out of the input dtype, and for
     an fp8 key bit-identical to torch's round-to-nearest-even of the saturated value
@@ -294,7 +296,11 @@ def check_prefill_rope_cache_write(case: Case) -> None:
     cos_sin_cache = _cpu(case.cos_sin_cache)
     pos = clamp_positions(_cpu(case.positions), T, cos_sin_cache.shape[0])
     k_rot, k_mag = rope64(o["k_pe"].reshape(T, R), pos, cos_sin_cache, case.is_neox)
+    s = case.key_start
+    k_rot, k_mag = k_rot[s:], k_mag[s:]  # the tokens with a key row
     k_out, k_nope = _cpu(case.k_out), _cpu(case.k_nope)
+    rows = T - s
+    assert k_out.shape[0] == k_nope.shape[0] == rows
     P = k_nope.shape[-1]
     nope, rope = k_out[..., :P], k_out[..., P:]
     if k_out.dtype in FP8:
@@ -303,5 +309,5 @@ def check_prefill_rope_cache_write(case: Case) -> None:
         assert torch.equal(_bytes(nope), _bytes(want)), "k_out nope part is not saturate(k_nope) in fp8, bit for bit"
     else:
         assert torch.equal(nope, k_nope.to(k_out.dtype)), "k_out nope part must be an exact copy of k_nope"
-    assert_close_to_ref(rope, k_rot[:, None, :].expand(T, H, R), k_mag[:, None, :].expand(T, H, R),
+    assert_close_to_ref(rope, k_rot[:, None, :].expand(rows, H, R), k_mag[:, None, :].expand(rows, H, R),
                         "k_out rope part")  # fmt: skip

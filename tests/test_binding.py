@@ -167,3 +167,46 @@ def test_zero_tokens_validates_and_launches_nothing(monkeypatch):
     assert calls == []
     with pytest.raises(ValueError, match="op"):
         BoundOp(4, is_neox=False)
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+def test_key_start_varies_per_call_on_one_layout(backend, validations):
+    """key_start is per step (a mixed batch's decode tokens): one validation for the layout, each
+    call's key rows checked, results the reference's."""
+    bound = BoundOp(OP_PREFILL, is_neox=False, backend=backend)
+    for step, (T, s) in enumerate(((6, 2), (6, 0), (9, 5), (3, 3))):
+        c = make_case(T=T, H=2, strided=False, prefill=True, key_start=s, seed=50 + step)
+        bound(*_prefill_args(c), s)
+        check_prefill_rope_cache_write(c)
+    assert validations[OP_PREFILL] == 1
+
+
+@pytest.mark.parametrize("bad", ["rows of another key_start", "negative", "past T", "bool", "float"])
+def test_a_bad_key_start_after_a_good_call_still_fails_before_writing(bad):
+    bound = BoundOp(OP_PREFILL, is_neox=False, backend="torch")
+    bound(*_prefill_args(make_case(T=6, H=2, strided=False, prefill=True, key_start=2, seed=60)), 2)
+    c = make_case(T=6, H=2, strided=False, prefill=True, key_start=2, seed=61)  # key rows of 4 tokens
+    key_start, error, words = {
+        "rows of another key_start": (1, ValueError, "k_nope must have shape"),
+        "negative": (-2, ValueError, "key_start must be in"),  # T - key_start would match no rows either
+        "past T": (8, ValueError, "key_start must be in"),
+        "bool": (True, TypeError, "key_start must be an int"),
+        "float": (2.0, TypeError, "key_start must be an int"),
+    }[bad]
+    before = [t.clone() for t in (c.q_pe, c.k_pe, c.kv_cache, c.k_out)]
+    with pytest.raises(error, match=words):
+        bound(*_prefill_args(c), key_start)
+    for t, snapshot in zip((c.q_pe, c.k_pe, c.kv_cache, c.k_out), before):
+        assert torch.equal(t.view(torch.uint8), snapshot.view(torch.uint8))
+
+
+@pytest.mark.parametrize("op", [OP_ROPE_CACHE, OP_DECODE])
+def test_key_start_belongs_to_the_prefill_op_only(op):
+    bound = BoundOp(op, is_neox=False, backend="torch")
+    c = make_case(T=4, H=2, strided=False, decode=op == OP_DECODE, seed=70)
+    args = _decode_args(c) if op == OP_DECODE else (*_rope_args(c), None, None, None)
+    bound(*args)  # a layout validated with key_start 0
+    before = c.kv_cache.clone()
+    with pytest.raises(ValueError, match="key_start applies to mla_prefill_rope_cache_write only"):
+        bound(*args, 1)
+    assert torch.equal(c.kv_cache, before)

@@ -100,6 +100,17 @@ def test_prefill_dtypes_dsv3(cache_dtype, kv_cache_dtype, scale, k_out_dtype):
     check_prefill_rope_cache_write(case)
 
 
+@pytest.mark.parametrize("T,key_start", [(2, 1), (64, 63), (300, 17), (2048, 1500)])
+@pytest.mark.parametrize("H", [16, 128])
+@pytest.mark.parametrize("k_out_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_prefill_key_start_dsv3(T, key_start, H, k_out_dtype):
+    """A mixed step in one launch: decode tokens first (no key row), then the prefill tokens."""
+    case = make_case(T=T, H=H, k_out_dtype=k_out_dtype, key_start=key_start, k_out_strided=True, block_size=64,
+                     device="cuda", seed=T + key_start, **DSV3_PREFILL)  # fmt: skip
+    mla.mla_prefill_rope_cache_write(*case.prefill_args(), key_start=key_start, backend="triton")
+    check_prefill_rope_cache_write(case)
+
+
 @pytest.mark.parametrize("T,H", [(16384, 16), (4096, 128)])
 def test_prefill_large(T, H):
     case = make_case(T=T, H=H, block_size=64, pad_every=97, device="cuda", seed=6, **DSV3_PREFILL)
@@ -379,10 +390,11 @@ def test_sanitize_core_cases(layout):
                      q_scale=0.3 if fp8 else None, **DSV3, **layout)  # fmt: skip
     mla.mla_decode_rope_cache_write(*case.decode_args(), backend="triton")
     check_decode_rope_cache_write(case)
-    case = make_case(device="cuda", seed=23, prefill=True, nope_dim=128, k_out_strided=True,
-                     k_out_dtype=torch.float8_e4m3fn if fp8 else None, **DSV3, **layout)  # fmt: skip
-    mla.mla_prefill_rope_cache_write(*case.prefill_args(), backend="triton")
-    check_prefill_rope_cache_write(case)
+    for key_start in sorted({0, layout["T"] // 3}):  # a prefill-only step, and a mixed one's decode rows first
+        case = make_case(device="cuda", seed=23, prefill=True, nope_dim=128, k_out_strided=True, key_start=key_start,
+                         k_out_dtype=torch.float8_e4m3fn if fp8 else None, **DSV3, **layout)  # fmt: skip
+        mla.mla_prefill_rope_cache_write(*case.prefill_args(), key_start=key_start, backend="triton")
+        check_prefill_rope_cache_write(case)
 
 
 @pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])

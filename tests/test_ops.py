@@ -50,7 +50,7 @@ def _run_decode(case, backend):
 
 
 def _run_prefill(case, backend):
-    mla.mla_prefill_rope_cache_write(*case.prefill_args(), backend=backend)
+    mla.mla_prefill_rope_cache_write(*case.prefill_args(), key_start=case.key_start, backend=backend)
     check_prefill_rope_cache_write(case)
 
 
@@ -443,3 +443,33 @@ def test_prefill_matches_op1_plus_concat(backend):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     key = torch.cat((b.k_nope, b.k_pe[:, None, :].expand(-1, 4, -1)), dim=-1)
     assert torch.equal(a.k_out, key)
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@pytest.mark.parametrize("T,H,key_start", [(9, 2, 1), (9, 2, 4), (9, 2, 8), (9, 2, 9), (5, 16, 3), (40, 3, 17)])
+@pytest.mark.parametrize("is_neox", [False, True])
+def test_prefill_key_start(backend, T, H, key_start, is_neox):
+    """A mixed batch in one launch: every token rotated and cached, key rows for tokens from
+    key_start on only (key_start = T: op 1 alone). k_out is a view into a wider buffer, so a key
+    row written for a token before key_start, or past the last, lands where the check sees it."""
+    case = make_case(T=T, H=H, is_neox=is_neox, prefill=True, key_start=key_start, k_out_strided=True,
+                     seed=200 + T + key_start)  # fmt: skip
+    _run_prefill(case, backend)
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+def test_prefill_key_start_is_op1_on_the_decode_rows_plus_op3_on_the_rest(backend):
+    """key_start = s gives the bytes op 1 on tokens [0, s) and op 3 on tokens [s, T) give."""
+    T, H, s = 13, 4, 5
+    kw = dict(T=T, H=H, prefill=True, cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.3, key_start=s,
+              pad_every=0, seed=41)  # fmt: skip
+    a, b = make_case(**kw), make_case(**kw)
+    mla.mla_prefill_rope_cache_write(*a.prefill_args(), key_start=s, backend=backend)
+    head = [t[:s] for t in (b.positions, b.q_pe, b.k_pe, b.kv_c)]
+    mla.mla_rope_cache_write(*head, b.cos_sin_cache, b.is_neox, b.slot_mapping[:s], b.kv_cache, b.kv_cache_dtype,
+                             b.kv_cache_scale, backend=backend)  # fmt: skip
+    tail = [t[s:T] for t in (b.positions, b.q_pe, b.k_pe, b.kv_c)]
+    mla.mla_prefill_rope_cache_write(*tail, b.k_nope, b.cos_sin_cache, b.is_neox, b.slot_mapping[s:T], b.kv_cache,
+                                     b.k_out, b.kv_cache_dtype, b.kv_cache_scale, backend=backend)  # fmt: skip
+    for name in ("q_pe", "k_pe", "kv_cache", "k_out"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name

@@ -341,3 +341,40 @@ def test_prefill_keyword_names_are_the_documented_ones():
              "k_out", "kv_cache_dtype", "kv_cache_scale")  # fmt: skip
     mla.mla_prefill_rope_cache_write(**dict(zip(names, case.prefill_args(), strict=True)), backend="torch")
     assert not torch.equal(case.k_out.view(torch.uint8), case.originals["k_out"].view(torch.uint8))
+
+
+# key_start (op 3's mixed batches): T = 5 tokens, and the key rows of T - key_start of them.
+KEY_START_BAD = [
+    ("negative", -1, 0, ValueError, r"key_start must be in \[0, T\] = \[0, 5\], got -1"),
+    ("past T", 6, 0, ValueError, r"key_start must be in \[0, T\]"),
+    ("bool", True, 1, TypeError, "key_start must be an int, got bool"),
+    ("float", 1.5, 1, TypeError, "key_start must be an int, got float"),
+    ("key rows of T", 2, 0, ValueError, r"k_nope must have shape \[T - key_start, H, P\] with T - key_start=3"),
+    ("key rows short", 0, 2, ValueError, r"k_nope must have shape \[T, H, P\] with T=5"),
+    ("k_out rows", 2, 2, ValueError, r"k_out must have shape \[T - key_start, H, P \+ R\] = \[3, 2, "),  # one short
+]
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@pytest.mark.parametrize("what,key_start,rows_key_start,exc,words", KEY_START_BAD, ids=[b[0] for b in KEY_START_BAD])
+def test_prefill_rejects_a_key_start_its_key_rows_do_not_match(backend, what, key_start, rows_key_start, exc, words):
+    case = make_case(T=5, H=2, prefill=True, key_start=rows_key_start, seed=4)
+    live = {**_live(case), "k_out": case.k_out}
+    if what == "k_out rows":
+        case.k_out = case.k_out[:-1]
+    with pytest.raises(exc, match=words):
+        mla.mla_prefill_rope_cache_write(*case.prefill_args(), key_start=key_start, backend=backend)
+    _unchanged(case, live)
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+def test_the_custom_op_takes_key_start_by_keyword_after_its_positional_backend(backend):
+    """key_start is keyword-only and last in the schema: positional calls keep their meaning."""
+    case = make_case(T=5, H=2, prefill=True, key_start=2, seed=6)
+    torch.ops.mla_fusion.mla_prefill_rope_cache_write(*case.prefill_args(), backend, key_start=2)
+    check_prefill_rope_cache_write(case)
+    bad = make_case(T=5, H=2, prefill=True, key_start=2, seed=7)
+    live = {**_live(bad), "k_out": bad.k_out}
+    with pytest.raises(ValueError, match="k_nope"):
+        torch.ops.mla_fusion.mla_prefill_rope_cache_write(*bad.prefill_args(), backend)  # key_start 0: T rows
+    _unchanged(bad, live)

@@ -6,7 +6,8 @@ A fused op's arguments are of two kinds:
   the backend asked for; and, once tensors are seen, every tensor's dtype, device, strides
   and sizes past the token dimension (the *layout*). A vLLM layer fixes all of them when
   it is built (the cache's layout at its first step);
-- *per step*: the token count ``T`` and the tensors' addresses.
+- *per step*: the token count ``T``, the tensors' addresses and, for the prefill op in a
+  mixed batch, ``key_start`` (its decode tokens, which come first, get no key row).
 
 :class:`BoundOp` takes the static flags once. The first call with a layout validates it
 with the same checks as the public ops (validation.py: a bad call raises the same
@@ -37,10 +38,11 @@ OP_NAMES = {OP_ROPE_CACHE: "mla_rope_cache_write", OP_DECODE: "mla_decode_rope_c
 
 
 class Site(Protocol):
-    """A backend's launch for one validated layout: ``site(T, ...)`` with every tensor of the call."""
+    """A backend's launch for one validated layout: ``site(T, ...)`` with every tensor of the call
+    and op 3's ``key_start`` (0 for ops 1 and 2)."""
 
     def __call__(self, T: int, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache,
-                 kv_cache_scale, nope, out, out_scale) -> None: ...  # fmt: skip
+                 kv_cache_scale, nope, out, out_scale, key_start: int) -> None: ...  # fmt: skip
 
 
 def _layout(positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale, nope, out,
@@ -74,7 +76,8 @@ class BoundOp:
     """One fused op with its static flags bound; call it with the step's tensors.
 
     ``op``: OP_ROPE_CACHE, OP_DECODE (``nope``/``out``/``out_scale`` are ql_nope, q_out,
-    q_scale) or OP_PREFILL (k_nope, k_out). ``backend``: "torch", "triton", "aiter" or
+    q_scale) or OP_PREFILL (k_nope, k_out; their rows are the key of tokens ``key_start ..
+    T - 1``, the tokens before getting op 1's work: a mixed batch in one launch). ``backend``: "torch", "triton", "aiter" or
     "auto" (by device, dispatch.resolve), fixed here: no environment is read per call.
     ``debug``: also check index values on the host each call (validation.py).
     """
@@ -95,7 +98,7 @@ class BoundOp:
         self.sites: dict[tuple, tuple[Site, str]] = {}
 
     def __call__(self, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale=None,
-                 nope=None, out=None, out_scale=None) -> None:  # fmt: skip
+                 nope=None, out=None, out_scale=None, key_start=0) -> None:  # fmt: skip
         """Run the op on the first ``T = q_pe.shape[0]`` tokens (the public ops' semantics)."""
         args = (positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale, nope, out,
                 out_scale)  # fmt: skip
@@ -104,30 +107,32 @@ class BoundOp:
         except AttributeError:  # not a tensor somewhere: validation names it
             entry = None
         T = q_pe.shape[0] if entry is not None else -1
+        key_rows = T - key_start if type(key_start) is int else -1
         rows_agree = entry is not None and (
             k_pe.shape[0] == T and kv_c.shape[0] == T and positions.shape[0] >= T and slot_mapping.shape[0] >= T
-            and (out is None or (nope.shape[0] == T and out.shape[0] == T))
+            and (out is None or (nope.shape[0] == key_rows and out.shape[0] == key_rows))
+            and (key_start == 0 or (self.op == OP_PREFILL and 0 < key_start <= T))
         )  # fmt: skip
         if not rows_agree:
-            entry = self._bind(args)
+            entry = self._bind(args, key_start)
             T = q_pe.shape[0]
         if self.debug and rows_agree:
-            self._validate(args)  # the index-value checks run with validation (_bind ran it otherwise)
+            self._validate(args, key_start)  # the index-value checks run with validation (_bind ran it otherwise)
         if not T:
             return
         if torch.autograd._profiler_enabled():
             # Named in a profiler trace as the dispatcher names the public ops, so that a profile
             # shows the same op names whichever entry point ran.
             with torch.profiler.record_function(self.qualname):
-                entry[0](T, *args)
+                entry[0](T, *args, key_start)
         else:
-            entry[0](T, *args)
+            entry[0](T, *args, key_start)
 
     def validate(self, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale=None,
-                 nope=None, out=None, out_scale=None) -> validation.Problem:  # fmt: skip
+                 nope=None, out=None, out_scale=None, key_start=0) -> validation.Problem:  # fmt: skip
         """The call's sizes, or the ValueError/TypeError the call would raise (the ops' fakes)."""
         return self._validate((positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale,
-                               nope, out, out_scale))  # fmt: skip
+                               nope, out, out_scale), key_start)  # fmt: skip
 
     def backend_of(self, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale=None,
                    nope=None, out=None, out_scale=None) -> str | None:  # fmt: skip
@@ -136,9 +141,11 @@ class BoundOp:
                                        kv_cache_scale, nope, out, out_scale))  # fmt: skip
         return entry[1] if entry else None
 
-    def _validate(self, args) -> validation.Problem:
+    def _validate(self, args, key_start=0) -> validation.Problem:
         positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale, nope, out, out_scale = args
         common = (cos_sin_cache, self.is_neox, slot_mapping, kv_cache)
+        if self.op != OP_PREFILL and not (type(key_start) is int and key_start == 0):
+            raise ValueError(f"key_start applies to {OP_NAMES[OP_PREFILL]} only; {self.qualname} got {key_start!r}")
         if self.op == OP_ROPE_CACHE:
             return validation.check_rope_cache_write(positions, q_pe, k_pe, kv_c, *common, self.kv_cache_dtype,
                                                      kv_cache_scale)  # fmt: skip
@@ -148,11 +155,11 @@ class BoundOp:
                 self.is_nope_first,
             )  # fmt: skip
         return validation.check_prefill_rope_cache_write(positions, q_pe, k_pe, kv_c, nope, *common, out,
-                                                         self.kv_cache_dtype, kv_cache_scale)  # fmt: skip
+                                                         self.kv_cache_dtype, kv_cache_scale, key_start)  # fmt: skip
 
-    def _bind(self, args) -> tuple[Site, str]:
+    def _bind(self, args, key_start) -> tuple[Site, str]:
         """Validate a call whose layout (or token rows) is new, and bind its layout's site."""
-        p = self._validate(args)
+        p = self._validate(args, key_start)
         key = _layout(*args)
         entry = self.sites.get(key)
         if entry is None:

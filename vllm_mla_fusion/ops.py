@@ -55,7 +55,7 @@ def bound_op(op: int, is_neox: bool, kv_cache_dtype: str, is_nope_first: bool, b
     return table.get(op, kv_cache_dtype, is_neox, is_nope_first)
 
 
-# --- the ops' definitions: signature -> (flags, tensors in BoundOp's order) -------------------
+# --- the ops' definitions: signature -> (flags, arguments in BoundOp's order) -----------------
 
 
 def _rope_cache_write(
@@ -111,10 +111,12 @@ def _prefill_rope_cache_write(
     kv_cache_dtype: str = "auto",
     kv_cache_scale: torch.Tensor | None = None,
     backend: str = "auto",
+    *,
+    key_start: int = 0,  # keyword-only, after backend: positional calls of the op keep their meaning
 ) -> tuple:
     flags = (OP_PREFILL, is_neox, kv_cache_dtype, True, backend)
     return flags, (positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale, k_nope,
-                   k_out, None)  # fmt: skip
+                   k_out, None, key_start)  # fmt: skip
 
 
 # Each op's name, definition and the arguments it writes.
@@ -128,8 +130,8 @@ _OPS = {
 def _kernel(definition):
     """The op's body: run the call through the BoundOp for its flags."""
 
-    def run(*args) -> None:
-        flags, tensors = definition(*args)
+    def run(*args, **kwargs) -> None:
+        flags, tensors = definition(*args, **kwargs)
         bound_op(*flags)(*tensors)
 
     return run
@@ -138,8 +140,8 @@ def _kernel(definition):
 def _fake(definition):
     """The op's fake: the body's validation and backend-name check, without running anything."""
 
-    def validate(*args) -> None:
-        flags, tensors = definition(*args)
+    def validate(*args, **kwargs) -> None:
+        flags, tensors = definition(*args, **kwargs)
         bound_op(*flags).validate(*tensors)
 
     return validate
@@ -149,7 +151,7 @@ def _schema(definition, mutates: tuple[str, ...]) -> str:
     """The schema of ``definition``'s parameters, returning nothing (the definitions return the
     call's flags and tensors; the op itself returns None)."""
 
-    def prototype(*args) -> None: ...
+    def prototype(*args, **kwargs) -> None: ...
 
     prototype.__signature__ = inspect.signature(definition, eval_str=True).replace(return_annotation=None)
     return torch.library.infer_schema(prototype, mutates_args=mutates)
@@ -284,27 +286,33 @@ def mla_prefill_rope_cache_write(
     kv_cache_dtype: str = "auto",
     kv_cache_scale: torch.Tensor | None = None,
     *,
+    key_start: int = 0,
     backend: str | None = None,
 ) -> None:
     """The prefill epilogue of an MLA layer in one kernel launch: RoPE, cache rows and the attention key.
 
     Everything :func:`mla_rope_cache_write` does (``q_pe`` and ``k_pe`` rotated
     in place, ``[kv_c | rope(k_pe)]`` written at each valid slot), plus the full
-    key of MHA-style prefill attention, for every token ``t < T`` (padding
-    tokens included):
+    key of MHA-style prefill attention, for every token ``key_start <= t < T``
+    (padding tokens included):
 
-        ``k_out[t, h, :P] = k_nope[t, h]`` and ``k_out[t, h, P:] = rope(k_pe[t])``.
+        ``k_out[t - key_start, h, :P] = k_nope[t - key_start, h]`` and
+        ``k_out[t - key_start, h, P:] = rope(k_pe[t])``.
 
     Args:
-        k_nope: ``[T, H, P]`` (``P = qk_nope_head_dim``), q_pe's dtype, any
+        k_nope: ``[T - key_start, H, P]`` (``P = qk_nope_head_dim``), q_pe's dtype, any
             strides (vLLM hands over a split view of ``kv_b_proj``'s output). Read only.
-        k_out: ``[T, H, P + R]``, any strides, **written** for every token. Its
+        k_out: ``[T - key_start, H, P + R]``, any strides, **written** for every row. Its
             dtype is q_pe's (the nope part an exact copy) or an fp8 type
             (``float8_e4m3fn``, ``float8_e4m3fnuz``, ``float8_e5m2``) for fp8
             prefill attention. fp8 stores ``saturate(x)`` with no scale, as vLLM
             casts the key without one. Unlike ``tensor.to(fp8)``, which turns a
             value past the format's largest finite number into NaN (e4m3) or inf
             (e5m2), the op clamps it to that largest number; NaN stays NaN.
+        key_start: ``0 <= key_start <= T``: the tokens before it get what
+            :func:`mla_rope_cache_write` does and no key row. vLLM orders a mixed
+            batch's decode tokens first; with ``key_start = num_decode_tokens`` one
+            launch serves the whole batch where the decode query keeps ``q_pe`` as it is.
 
     The other arguments are those of :func:`mla_rope_cache_write`. The rope part
     of ``k_out`` is the float32 rotation rounded once to ``k_out``'s dtype (for an
@@ -313,8 +321,9 @@ def mla_prefill_rope_cache_write(
     """
     check_argument_types(positions=positions, q_pe=q_pe, k_pe=k_pe, kv_c=kv_c, k_nope=k_nope,
                          cos_sin_cache=cos_sin_cache, is_neox=is_neox, slot_mapping=slot_mapping, kv_cache=kv_cache,
-                         k_out=k_out, kv_cache_dtype=kv_cache_dtype, kv_cache_scale=kv_cache_scale)  # fmt: skip
+                         k_out=k_out, kv_cache_dtype=kv_cache_dtype, kv_cache_scale=kv_cache_scale,
+                         key_start=key_start)  # fmt: skip
     torch.ops.mla_fusion.mla_prefill_rope_cache_write(
         positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping, kv_cache, k_out,
-        kv_cache_dtype, kv_cache_scale, backend or "auto",
+        kv_cache_dtype, kv_cache_scale, backend or "auto", key_start=key_start,
     )  # fmt: skip

@@ -61,7 +61,9 @@ def check_argument_types(**args: object) -> None:
     Flags must be bool, ``kv_cache_dtype`` a str, scales a tensor or None, the rest tensors.
     """
     for name, value in args.items():
-        if name in ("is_neox", "is_nope_first"):
+        if name == "key_start":
+            _check_key_start_type(value)
+        elif name in ("is_neox", "is_nope_first"):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
         elif name == "kv_cache_dtype":
@@ -72,6 +74,13 @@ def check_argument_types(**args: object) -> None:
                 raise TypeError(f"{name} must be a float32 tensor or None, got {type(value).__name__}")
         else:
             _require_tensor(name, value)
+
+
+def _check_key_start_type(key_start: object) -> None:
+    # bool is an int subclass; a flag passed where a token count belongs is a bug, not 0 or 1.
+    # A SymInt is what a fake (torch.compile tracing) may receive.
+    if not isinstance(key_start, (int, torch.SymInt)) or isinstance(key_start, bool):
+        raise TypeError(f"key_start must be an int, got {type(key_start).__name__}")
 
 
 def _check_scale(name: str, scale: object, device: torch.device) -> None:
@@ -233,8 +242,11 @@ def check_prefill_rope_cache_write(
     k_out,
     kv_cache_dtype,
     kv_cache_scale,
+    key_start=0,
 ) -> Problem:
-    """Validate the arguments of ``mla_prefill_rope_cache_write``; return the call's sizes."""
+    """Validate the arguments of ``mla_prefill_rope_cache_write``; return the call's sizes.
+
+    ``k_nope`` and ``k_out`` hold the key rows of tokens ``key_start .. T - 1``."""
     p = _check_common(
         positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_dtype, kv_cache_scale
     )
@@ -250,13 +262,20 @@ def check_prefill_rope_cache_write(
     _require_ndim("k_nope", k_nope, (3,), "3-D [num_tokens, num_heads, qk_nope_head_dim]")
     _require_ndim("k_out", k_out, (3,), "3-D [num_tokens, num_heads, qk_nope_head_dim + rope_dim]")
     T, H, L, R = p.num_tokens, p.num_heads, p.kv_lora_rank, p.rope_dim
+    _check_key_start_type(key_start)
+    if not 0 <= key_start <= T:
+        raise ValueError(f"key_start must be in [0, T] = [0, {T}], got {key_start}")
+    # The key's rows: every token's, or a mixed batch's tokens from key_start on.
+    rows, rows_name = (T, "T") if key_start == 0 else (T - key_start, "T - key_start")
     P = k_nope.shape[-1]
-    if tuple(k_nope.shape[:2]) != (T, H):
-        raise ValueError(f"k_nope must have shape [T, H, P] with T={T}, H={H}, got {tuple(k_nope.shape)}")
+    if tuple(k_nope.shape[:2]) != (rows, H):
+        raise ValueError(f"k_nope must have shape [{rows_name}, H, P] with {rows_name}={rows}, H={H}, "
+                         f"got {tuple(k_nope.shape)}")  # fmt: skip
     if P < 1:
         raise ValueError(f"k_nope must have a positive last dimension (qk_nope_head_dim), got {tuple(k_nope.shape)}")
-    if tuple(k_out.shape) != (T, H, P + R):
-        raise ValueError(f"k_out must have shape [T, H, P + R] = {[T, H, P + R]}, got {tuple(k_out.shape)}")
+    if tuple(k_out.shape) != (rows, H, P + R):
+        raise ValueError(f"k_out must have shape [{rows_name}, H, P + R] = {[rows, H, P + R]}, "
+                         f"got {tuple(k_out.shape)}")  # fmt: skip
     for name, t in (("k_nope", k_nope), ("k_out", k_out)):
         if t.device != q_pe.device:
             raise ValueError(f"{name} is on {t.device} but q_pe is on {q_pe.device}; all tensors must share a device")

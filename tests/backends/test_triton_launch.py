@@ -245,7 +245,7 @@ def test_the_kernel_takes_pointers_and_integers_first_then_constexprs():
     params = _kernel_params()
     constexpr = [c for _, c in params]
     n = constexpr.index(True)
-    assert n == 11 + 23 and all(constexpr[n:])
+    assert n == 11 + 24 and all(constexpr[n:])  # 11 pointers, 6 sizes, 18 strides
 
 
 # --- Triton's own specialization of the kernel's arguments ---------------------------------

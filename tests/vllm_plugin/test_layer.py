@@ -180,12 +180,14 @@ def test_schedule_matches_vllm(vllm_cpu, layer_pair, monkeypatch):
 
 # The same schedule with the Triton kernel (in its interpreter on a CPU): the plugin's calls reach
 # the kernel with vLLM's real strides, slot mappings and padding. Decode mode with the prefill key
-# runs ops 2 and 3, without it ops 1 and 2; rope_cache mode op 1 over the padded batch. ~4 s each.
+# runs ops 2 and 3, without it ops 1 and 2; on a backend taking the decode pair, op 3 alone (mixed
+# steps with key_start); rope_cache mode op 1 over the padded batch. ~4 s each.
 TRITON_LAYOUTS = [("decode", 1536, True, False, "triton"), ("decode", 1536, False, False, "triton"),
-                  ("rope_cache", 1536, False, False, "triton")]  # fmt: skip
+                  ("decode", 1536, True, True, "triton"), ("rope_cache", 1536, False, False, "triton")]  # fmt: skip
 
 
-@pytest.mark.parametrize("layer_pair", TRITON_LAYOUTS, ids=["decode", "decode-prefill-key-off", "rope_cache"],
+@pytest.mark.parametrize("layer_pair", TRITON_LAYOUTS,
+                         ids=["decode", "decode-prefill-key-off", "decode-pair-backend", "rope_cache"],
                          indirect=True)  # fmt: skip
 def test_schedule_matches_vllm_with_the_triton_kernel(vllm_cpu, layer_pair, monkeypatch):
     if not dispatch.triton_interpreting() and not torch.cuda.is_available():
@@ -246,10 +248,12 @@ def _run_schedule(vllm_cpu, layer_pair, monkeypatch, backend_module):
         has_prefill, has_decode = T > num_decode, num_decode > 0
         if mode == "decode":
             # (op 1, op 2, op 3): prefill rows through op 3, or op 1 when vLLM builds the key.
-            # Op 1 takes, in one launch, the prefill rows when vLLM builds the key and the
-            # decode rows when the backend takes the pair as it is.
-            op1_rows = (has_prefill and not prefill_key) or (has_decode and not assembles)
-            expected = (int(op1_rows), int(has_decode and assembles), int(has_prefill and prefill_key))
+            # The decode rows, when the backend takes the pair as it is, join op 3's launch
+            # (key_start) if there is one, else op 1's, which also takes the prefill rows when
+            # vLLM builds the key: one launch per step.
+            op3 = has_prefill and prefill_key
+            op1_rows = (has_prefill and not prefill_key) or (has_decode and not assembles and not op3)
+            expected = (int(op1_rows), int(has_decode and assembles), int(op3))
         else:
             expected = (1, 0, 0)
         assert (fused_rope_cache.take(), fused_decode.take(), fused_prefill.take()) == expected, step.name
@@ -349,3 +353,19 @@ def test_no_slot_mapping_entry_writes_nothing(vllm_cpu, layer_pair):
             outs.append(attn(step.positions, hidden, None))
         assert torch.equal(mla.kv_cache, before)
     assert_output_close(outs[1], outs[0], "attention output without a slot mapping")
+
+
+@pytest.mark.parametrize("layer_pair", [LAYOUTS[4]], ids=[LAYOUT_IDS[4]], indirect=True)
+def test_decode_attention_before_the_prefill_key_fails_loudly(vllm_cpu, layer_pair):
+    """On a backend that takes the decode pair, a mixed step's decode rows are rotated and cached
+    by the prefill op's launch in forward_mha, which vLLM 0.33 runs first. A forward_impl that
+    ran the decode attention first would read them un-rotated: it must raise instead."""
+    from vllm_mla_fusion.vllm_plugin.attention import _PrefillStep
+
+    _, on = layer_pair
+    attn = on.mla_attn.mla_attn
+    assert attn._prefill_key_fused and not attn._decode_assembles_query
+    attn._steps.prefill = _PrefillStep(*([None] * 9), key_start=2)
+    with pytest.raises(RuntimeError, match="decode attention ran before forward_mha built the prefill key"):
+        attn.impl.forward_mqa(None, None, None, attn)
+    attn._steps.prefill = None

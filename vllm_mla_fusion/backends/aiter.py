@@ -683,7 +683,8 @@ class BoundDecode:
         self.device_index = device.index
 
     def __call__(self, T, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale,
-                 ql_nope, q_out, q_scale) -> None:  # fmt: skip
+                 ql_nope, q_out, q_scale, key_start: int = 0) -> None:  # fmt: skip
+        # key_start is op 3's (binding.Site): the decode op has a query row for every token.
         p = dataclasses.replace(self.p, num_tokens=T)
         reason = call_decline_reason(
             p, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, fp8.typed_view(kv_cache, p.cache_dtype), q_out,

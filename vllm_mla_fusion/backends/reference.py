@@ -77,13 +77,14 @@ def decode_rope_cache_write(p: Problem, positions, ql_nope, q_pe, k_pe, kv_c, co
 
 
 def prefill_rope_cache_write(p: Problem, positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping,
-                             kv_cache, k_out, kv_cache_scale) -> None:  # fmt: skip
+                             kv_cache, k_out, kv_cache_scale, key_start: int = 0) -> None:  # fmt: skip
     q_rot, k_rot = _rotate_and_write_cache(
         p, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_scale
     )
     # The key's rope part comes from the float32 rotation, rounded once to k_out's type
-    # (not through k_pe's dtype first); fp8 keys saturate, with no scale.
-    key = torch.cat((k_nope.float(), k_rot[:, None, :].expand(-1, p.num_heads, -1)), dim=-1)
+    # (not through k_pe's dtype first); fp8 keys saturate, with no scale. Tokens before
+    # key_start (a mixed batch's decode tokens) have no key row.
+    key = torch.cat((k_nope.float(), k_rot[key_start:, None, :].expand(-1, p.num_heads, -1)), dim=-1)
     k_out.copy_(fp8.round_for_store(key, k_out.dtype, None))
     q_pe.copy_(q_rot.to(q_pe.dtype))
     k_pe.copy_(k_rot.to(k_pe.dtype).view(k_pe.shape))
@@ -93,7 +94,7 @@ def bind(p: Problem, op: int, is_neox: bool, is_nope_first: bool, *_layout_tenso
     """The reference for one validated layout (binding.py): nothing to precompute but the op."""
 
     def site(T, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale, nope, out,
-             out_scale) -> None:  # fmt: skip
+             out_scale, key_start=0) -> None:  # fmt: skip
         call = dataclasses.replace(p, num_tokens=T)
         if op == OP_ROPE_CACHE:
             rope_cache_write(call, positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache,
@@ -103,6 +104,6 @@ def bind(p: Problem, op: int, is_neox: bool, is_nope_first: bool, *_layout_tenso
                                     kv_cache, out, kv_cache_scale, out_scale, is_nope_first)  # fmt: skip
         else:
             prefill_rope_cache_write(call, positions, q_pe, k_pe, kv_c, nope, cos_sin_cache, is_neox, slot_mapping,
-                                     kv_cache, out, kv_cache_scale)  # fmt: skip
+                                     kv_cache, out, kv_cache_scale, key_start)  # fmt: skip
 
     return site

@@ -12,6 +12,10 @@ kinds of program:
   rotate ``q_pe`` in place; op 2 writes ``[ql_nope | rope(q_pe)]`` into
   ``q_out``; op 3 copies ``k_nope`` into the nope part of ``k_out``.
 
+Op 3's key rows start at token ``key_start`` (0 unless the batch is mixed: its
+decode tokens come first and need no key, only what op 1 does), so the key row
+of token ``t`` is ``t - key_start``.
+
 Splitting the two lets a decode step (few tokens, many heads) spread over many
 programs, while every program keeps a tile of a few thousand elements so large
 prefills stay bandwidth-bound. Everything is computed in float32 and rounded
@@ -180,11 +184,12 @@ OP_PREFILL = tl.constexpr(3)  # op 3: op 1 + the attention key k_out = [k_nope |
 
 # The token count changes every step: specializing on it (==1, %16) would only add compilations;
 # num_slots too: a bound checked once per token, and scratch caches used to compile ahead must
-# not select another specialization than the real cache. The index tensors' alignment neither:
+# not select another specialization than the real cache; key_start (op 3's decode rows in a mixed
+# step) changes every step as well. The index tensors' alignment neither:
 # a mixed step's prefill rows start at row num_decode of vLLM's positions and slot mapping, 8
 # bytes off a 16-byte boundary when that is odd, and the variants compiled ahead (prewarm.py)
 # must serve them; the kernel reads one index per token or row, so no vector load is lost.
-@triton.jit(do_not_specialize=["num_tokens", "n_cache_programs", "num_slots"],
+@triton.jit(do_not_specialize=["num_tokens", "n_cache_programs", "num_slots", "key_start"],
             do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])  # fmt: skip
 def _mla_rope_cache_kernel(
     # pointers
@@ -205,6 +210,7 @@ def _mla_rope_cache_kernel(
     block_size,
     num_slots,  # num_blocks * block_size: slots at or past it write nothing
     n_cache_programs,
+    key_start,  # op 3: first token with a key row (k_nope / k_out row t - key_start); 0 for ops 1 and 2
     # strides (elements)
     stride_cs_p, stride_cs_r,
     stride_q_t, stride_q_h, stride_q_r,
@@ -243,15 +249,15 @@ def _mla_rope_cache_kernel(
     # different shapes) never meet in one scope.
     if pid < n_cache_programs:
         _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr, out_ptr,
-                       num_tokens, max_pos, block_size, num_slots, stride_cs_p, stride_cs_r, stride_k_t, stride_k_r,
-                       stride_c_t, stride_c_l, stride_kv_b, stride_kv_s, stride_kv_d,
+                       num_tokens, max_pos, block_size, num_slots, key_start, stride_cs_p, stride_cs_r,
+                       stride_k_t, stride_k_r, stride_c_t, stride_c_l, stride_kv_b, stride_kv_s, stride_kv_d,
                        stride_o_t, stride_o_h, stride_o_d,
                        H, L, R, NOPE, IS_NEOX, OP, CACHE_MODE, CACHE_HAS_SCALE, CACHE_FP8_MAX, CACHE_BIAS, CACHE_MAN,
                        CACHE_SIGNED_ZERO, CACHE_NAN, OUT_MODE, OUT_FP8_MAX, OUT_BIAS, OUT_MAN, OUT_SIGNED_ZERO,
                        OUT_NAN, BLOCK_T, BLOCK_L, BLOCK_H, BLOCK_R2)  # fmt: skip
     else:
         _query_program(pid - n_cache_programs, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_scale_ptr,
-                       num_tokens, max_pos, stride_cs_p, stride_cs_r, stride_q_t, stride_q_h, stride_q_r,
+                       num_tokens, max_pos, key_start, stride_cs_p, stride_cs_r, stride_q_t, stride_q_h, stride_q_r,
                        stride_n_t, stride_n_h, stride_n_d, stride_o_t, stride_o_h, stride_o_d,
                        H, R, NOPE, IS_NEOX, OP, NOPE_FIRST, OUT_MODE, OUT_HAS_SCALE, OUT_FP8_MAX, OUT_BIAS, OUT_MAN,
                        OUT_SIGNED_ZERO, OUT_NAN, BLOCK_ROWS, BLOCK_N, BLOCK_R2)  # fmt: skip
@@ -259,8 +265,8 @@ def _mla_rope_cache_kernel(
 
 @triton.jit
 def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr, out_ptr,
-                   num_tokens, max_pos, block_size, num_slots, stride_cs_p, stride_cs_r, stride_k_t, stride_k_r,
-                   stride_c_t, stride_c_l, stride_kv_b, stride_kv_s, stride_kv_d,
+                   num_tokens, max_pos, block_size, num_slots, key_start, stride_cs_p, stride_cs_r,
+                   stride_k_t, stride_k_r, stride_c_t, stride_c_l, stride_kv_b, stride_kv_s, stride_kv_d,
                    stride_o_t, stride_o_h, stride_o_d,
                    H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, NOPE: tl.constexpr, IS_NEOX: tl.constexpr,
                    OP: tl.constexpr, CACHE_MODE: tl.constexpr, CACHE_HAS_SCALE: tl.constexpr,
@@ -270,7 +276,8 @@ def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cach
                    OUT_SIGNED_ZERO: tl.constexpr, OUT_NAN: tl.constexpr, BLOCK_T: tl.constexpr,
                    BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R2: tl.constexpr):  # fmt: skip
     """BLOCK_T tokens: rotate k_pe (in place for ops 1 and 3), write [kv_c | rope(k_pe)] at each slot
-    in [0, num_slots); op 3 also writes rope(k_pe) into the key row of every head.
+    in [0, num_slots); op 3 also writes rope(k_pe) into the key row of every head (tokens from
+    key_start on).
 
     A slot past the cache (a scheduler or connector bug, a stale mapping under graph
     padding) costs its row, never a write into whatever memory follows the cache.
@@ -307,10 +314,11 @@ def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cach
         ROWS: tl.constexpr = BLOCK_T * BLOCK_H
         y1 = tl.reshape(tl.broadcast_to(y1[:, None, :], [BLOCK_T, BLOCK_H, BLOCK_R2]), [ROWS, BLOCK_R2])
         y2 = tl.reshape(tl.broadcast_to(y2[:, None, :], [BLOCK_T, BLOCK_H, BLOCK_R2]), [ROWS, BLOCK_R2])
+        key_mask = t_mask & (t >= key_start)
         for h0 in tl.static_range(0, H, BLOCK_H):
             h = h0 + tl.arange(0, BLOCK_H)
-            off = t[:, None] * stride_o_t + h[None, :].to(tl.int64) * stride_o_h + NOPE * stride_o_d
-            m = t_mask[:, None] & (h < H)[None, :]
+            off = (t - key_start)[:, None] * stride_o_t + h[None, :].to(tl.int64) * stride_o_h + NOPE * stride_o_d
+            m = key_mask[:, None] & (h < H)[None, :]
             _store_rotated(out_ptr, tl.reshape(off, [ROWS]), y1, y2, tl.reshape(m, [ROWS]), IS_NEOX, R, BLOCK_R2,
                            stride_o_d, ROWS)  # fmt: skip
     write = t_mask & (slot >= 0) & (slot < num_slots)
@@ -335,7 +343,7 @@ def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cach
 
 @triton.jit
 def _query_program(pid, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_scale_ptr,
-                   num_tokens, max_pos, stride_cs_p, stride_cs_r, stride_q_t, stride_q_h, stride_q_r,
+                   num_tokens, max_pos, key_start, stride_cs_p, stride_cs_r, stride_q_t, stride_q_h, stride_q_r,
                    stride_n_t, stride_n_h, stride_n_d, stride_o_t, stride_o_h, stride_o_d,
                    H: tl.constexpr, R: tl.constexpr, NOPE: tl.constexpr, IS_NEOX: tl.constexpr,
                    OP: tl.constexpr, NOPE_FIRST: tl.constexpr, OUT_MODE: tl.constexpr,
@@ -345,7 +353,7 @@ def _query_program(pid, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_s
     """BLOCK_ROWS (token, head) rows of q_pe, rotated: in place (ops 1 and 3) or into q_out (op 2);
     ops 2 and 3 also copy the row's nope input into the output row: op 2
     q_out = [ql_nope | rope(q_pe)], op 3 the k_nope part of k_out (whose rope part the
-    cache programs write).
+    cache programs write), for tokens from key_start on (always 0 for op 2).
 
     As in _cache_program, the position-independent loads (the nope input) go out first."""
     rows = pid.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -354,12 +362,13 @@ def _query_program(pid, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_s
     r_mask = t < num_tokens
     pos = tl.load(pos_ptr + t, mask=r_mask, other=0).to(tl.int64)
     if OP != OP_ROPE_CACHE:
-        n_off = t * stride_n_t + h * stride_n_h
+        o_mask = r_mask & (t >= key_start)  # rows with an output row (op 2: every row)
+        n_off = (t - key_start) * stride_n_t + h * stride_n_h
         col = tl.arange(0, BLOCK_N)
-        n_mask = r_mask[:, None] & (col < NOPE)[None, :]
+        n_mask = o_mask[:, None] & (col < NOPE)[None, :]
         nope = tl.load(nope_ptr + n_off[:, None] + col[None, :] * stride_n_d, mask=n_mask, other=0.0)
         scale, inv_scale = _load_scale(out_scale_ptr, OUT_HAS_SCALE)
-        out = t * stride_o_t + h * stride_o_h
+        out = (t - key_start) * stride_o_t + h * stride_o_h
     pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
     q_off = t * stride_q_t + h * stride_q_h
     sin_ptr = cos_sin_ptr + (R // 2) * stride_cs_r
@@ -374,7 +383,7 @@ def _query_program(pid, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_s
                               OUT_BIAS, OUT_MAN, OUT_SIGNED_ZERO, OUT_NAN)  # fmt: skip
         q2 = _round_for_store(q2, scale, inv_scale, out_ptr, OUT_MODE, OUT_HAS_SCALE, OUT_FP8_MAX,
                               OUT_BIAS, OUT_MAN, OUT_SIGNED_ZERO, OUT_NAN)  # fmt: skip
-        _store_rotated(out_ptr, out + rope_col * stride_o_d, q1, q2, r_mask, IS_NEOX, R, BLOCK_R2,
+        _store_rotated(out_ptr, out + rope_col * stride_o_d, q1, q2, o_mask, IS_NEOX, R, BLOCK_R2,
                        stride_o_d, BLOCK_ROWS)  # fmt: skip
     if OP != OP_ROPE_CACHE:
         nope_col = R if (OP == OP_DECODE and not NOPE_FIRST) else 0
@@ -383,7 +392,7 @@ def _query_program(pid, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_s
         tl.store(out_ptr + out[:, None] + (nope_col + col[None, :]) * stride_o_d, nope, mask=n_mask)
         for n0 in tl.static_range(BLOCK_N, NOPE, BLOCK_N):  # nope widths past BLOCK_N (> 512)
             col = n0 + tl.arange(0, BLOCK_N)
-            m = r_mask[:, None] & (col < NOPE)[None, :]
+            m = o_mask[:, None] & (col < NOPE)[None, :]
             x = tl.load(nope_ptr + n_off[:, None] + col[None, :] * stride_n_d, mask=m, other=0.0)
             x = _round_for_store(x.to(tl.float32), scale, inv_scale, out_ptr, OUT_MODE, OUT_HAS_SCALE,
                                  OUT_FP8_MAX, OUT_BIAS, OUT_MAN, OUT_SIGNED_ZERO, OUT_NAN)  # fmt: skip
@@ -650,7 +659,7 @@ class BoundLaunch:
         return plan
 
     def __call__(self, T: int, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale,
-                 nope, out, out_scale) -> None:  # fmt: skip
+                 nope, out, out_scale, key_start: int = 0) -> None:  # fmt: skip
         plan = self.plan(T)
         if self.copy_index:
             positions, slot_mapping = positions[:T].contiguous(), slot_mapping[:T].contiguous()
@@ -669,19 +678,21 @@ class BoundLaunch:
                 if self._current_device() != device:
                     # Launch on the tensors' GPU, not the current one ("an illegal memory access").
                     with torch.cuda.device(device):
-                        self._launch(plan, T, num_slots, positions, slot_mapping, data)
+                        self._launch(plan, T, num_slots, key_start, positions, slot_mapping, data)
                 else:
-                    self._launch(plan, T, num_slots, positions, slot_mapping, data)
+                    self._launch(plan, T, num_slots, key_start, positions, slot_mapping, data)
                 return
-        self._launch_through_triton(plan, T, num_slots, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping,
-                                    kv_cache, kv_cache_scale, nope, out, out_scale)  # fmt: skip
+        self._launch_through_triton(plan, T, num_slots, key_start, positions, q_pe, k_pe, kv_c, cos_sin_cache,
+                                    slot_mapping, kv_cache, kv_cache_scale, nope, out, out_scale)  # fmt: skip
 
-    def _launch(self, plan: _Plan, T: int, num_slots: int, positions, slot_mapping, data: tuple) -> None:
+    def _launch(self, plan: _Plan, T: int, num_slots: int, key_start: int, positions, slot_mapping,
+                data: tuple) -> None:  # fmt: skip
         cs, q, k, c, cache, cache_scale, nope, out, out_scale = data
         launcher, function, packed_metadata, kernel = plan.compiled
         stream = self._current_stream(self.device_index)
         args = (positions.data_ptr(), slot_mapping.data_ptr(), cs, q, k, c, cache, cache_scale, nope, out, out_scale,
-                T, self.sizes[0], self.sizes[1], num_slots, plan.n_cache, *self.strides, *plan.values)  # fmt: skip
+                T, self.sizes[0], self.sizes[1], num_slots, plan.n_cache, key_start, *self.strides,
+                *plan.values)  # fmt: skip
         if _no_launch_hooks():
             # The compiled kernel's launcher, called as Triton's own launch path calls it; with no
             # launch hook there is no launch metadata to build (docs/performance.md, "Host path").
@@ -689,8 +700,9 @@ class BoundLaunch:
         else:
             kernel[(plan.grid, 1, 1)](*args, stream=stream)  # builds the metadata, calls the hooks
 
-    def _launch_through_triton(self, plan: _Plan, T: int, num_slots: int, positions, q_pe, k_pe, kv_c, cos_sin_cache,
-                               slot_mapping, kv_cache, kv_cache_scale, nope, out, out_scale) -> None:  # fmt: skip
+    def _launch_through_triton(self, plan: _Plan, T: int, num_slots: int, key_start: int, positions, q_pe, k_pe, kv_c,
+                               cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale, nope, out,
+                               out_scale) -> None:  # fmt: skip
         """Triton's own launch: binds and specializes the arguments, compiles or finds the variant."""
         cache = _store_view(kv_cache, self.p.cache_dtype, self.cache_view)
         if out is not None:
@@ -705,7 +717,7 @@ class BoundLaunch:
                 positions, slot_mapping, cos_sin_cache, q_pe, _rows_2d(k_pe), _rows_2d(kv_c), cache,
                 kv_cache_scale if kv_cache_scale is not None else dummy, nope, out,
                 out_scale if out_scale is not None else dummy,
-                T, self.sizes[0], self.sizes[1], num_slots, plan.n_cache, *self.strides,
+                T, self.sizes[0], self.sizes[1], num_slots, plan.n_cache, key_start, *self.strides,
                 **plan.constexprs, num_warps=plan.num_warps, **({"launch_pdl": True} if self.pdl else {}),
             )  # fmt: skip
         aligned = all(t.data_ptr() % 16 == 0 for t in (cos_sin_cache, q_pe, k_pe, kv_c, kv_cache, nope, out)

@@ -23,8 +23,14 @@ In vLLM 0.33 ``MLAAttention.forward_impl`` splits a step's tokens (decodes first
   the backend builds the key another way, the prefill tokens instead get
   ``mla_fusion::mla_rope_cache_write`` before ``forward_impl`` and vLLM's own
   concat (eligibility.py says which, per backend and step).
+- mixed steps on backends that take the decode pair as it is: vLLM's
+  forward_impl runs ``forward_mha`` before ``forward_mqa``, so the prefill op's
+  launch also takes the decode rows (``key_start = num_decode_tokens``: rotated
+  and cached like op 1, no key row), and nothing runs before forward_impl.
 
-Launches per layer and step: decode-only 1, prefill-only 1, mixed 2.
+Launches per layer and step: decode-only 1, prefill-only 1, mixed 1 (2 where
+the decode query is assembled by op 2, whose input ``ql_nope`` only exists once
+``forward_mqa`` runs).
 
 MLAAttention is not a pluggable layer and registers itself in vLLM's
 static forward context when built, so a second instance cannot be built in
@@ -74,16 +80,21 @@ class _DecodeStep:
 
 @dataclass
 class _PrefillStep:
-    """What the prefill key assembly of one step needs beyond (k_nope, k_pe)."""
+    """What the prefill key assembly of one step needs beyond k_nope.
 
-    positions: torch.Tensor  # [num_prefill_tokens]
-    q_pe: torch.Tensor  # [num_prefill_tokens, H, R] view of q, un-rotated
-    kv_c: torch.Tensor  # [num_prefill_tokens, L]
-    slot_mapping: torch.Tensor  # [num_prefill_tokens]
+    Its rows are the step's prefill tokens, preceded by ``key_start`` decode tokens when
+    the same launch takes those too (their rows get op 1's work and no key row)."""
+
+    positions: torch.Tensor  # [key_start + num_prefill_tokens]
+    q_pe: torch.Tensor  # [key_start + num_prefill_tokens, H, R] view of q, un-rotated
+    k_pe: torch.Tensor  # [key_start + num_prefill_tokens, 1, R], un-rotated
+    kv_c: torch.Tensor  # [key_start + num_prefill_tokens, L]
+    slot_mapping: torch.Tensor  # [key_start + num_prefill_tokens]
     kv_cache: torch.Tensor
     kv_cache_dtype: str
     cos_sin_cache: torch.Tensor
     is_neox: bool
+    key_start: int  # rows before the prefill tokens (decode tokens), 0 or num_decode_tokens
     assembled: bool = False
 
 
@@ -139,6 +150,18 @@ class FusedMLAAttention(MLAAttention):
                 q = layer.assemble_decode_query(*q)
             return vllm_forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
 
+        def forward_mqa_after_prefill_key(q, kv_c_and_k_pe_cache, attn_metadata, layer):
+            # The decode rows of a mixed step are rotated and cached by the prefill op's launch
+            # in forward_mha, which vLLM 0.33's forward_impl runs first. A vLLM that ran the
+            # decode attention first would read them un-rotated: fail loudly instead.
+            step = layer._steps.prefill
+            if step is not None and step.key_start and not step.assembled:
+                raise RuntimeError(
+                    f"vllm-mla-fusion: {layer.layer_name}'s decode attention ran before forward_mha built the "
+                    "prefill key; set VLLM_MLA_FUSION_PREFILL_KEY=0 and report this vLLM configuration"
+                )
+            return vllm_forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
+
         prefill_reason = eligibility.prefill_key_reason(attn.impl)
         attn.__class__ = cls
         attn._steps = _Steps()
@@ -154,6 +177,8 @@ class FusedMLAAttention(MLAAttention):
             attn.impl.forward_mqa = forward_mqa
         else:
             logger.debug("vllm-mla-fusion: %s rotates the decode rows with op 1: %s", attn.layer_name, assemble_reason)
+            if prefill_reason is None:
+                attn.impl.forward_mqa = forward_mqa_after_prefill_key
         if prefill_reason is None:
             impl = attn.impl
             # What vLLM would call: an instance attribute someone set before us (a wrapper
@@ -213,16 +238,20 @@ class FusedMLAAttention(MLAAttention):
         else:
             num_decode, end = attn_metadata.num_decode_tokens, attn_metadata.num_actual_tokens
         prefill = None
-        # Rows that get op 1 now: the decode rows where the backend takes (ql_nope, q_pe) as is,
-        # and the prefill rows where vLLM builds the key. Decode rows come first, so the two
-        # ranges are one when both apply: one launch.
+        # Rows [first, last) get op 1 now: the decode rows where the backend takes (ql_nope,
+        # q_pe) as is, and the prefill rows where vLLM builds the key. Decode rows come first,
+        # so the two ranges are one when both apply: one launch. Where the prefill op builds
+        # the key, its launch (inside forward_impl, before the decode attention) takes the
+        # decode rows of the first kind as well, and nothing runs here.
         first = num_decode if self._decode_assembles_query else 0
         last = num_decode
         if end > num_decode:
             if attn_metadata is not None and self._fuse_prefill_key(attn_metadata):
-                pos, q_pe, kv_c, slot = _rows(num_decode, end, num_tokens, positions, q[..., -rope_dim:],
-                                              kv_c_normed, slots)  # fmt: skip
-                prefill = _PrefillStep(pos, q_pe, kv_c, slot, cache, cache_dtype, cos_sin_cache, is_neox)
+                pos, q_pe, k_pe_rows, kv_c, slot = _rows(first, end, num_tokens, positions, q[..., -rope_dim:], k_pe,
+                                                         kv_c_normed, slots)  # fmt: skip
+                prefill = _PrefillStep(pos, q_pe, k_pe_rows, kv_c, slot, cache, cache_dtype, cos_sin_cache, is_neox,
+                                       num_decode - first)  # fmt: skip
+                last = first
             else:
                 last = end
         if last > first:
@@ -251,8 +280,9 @@ class FusedMLAAttention(MLAAttention):
             )
         if prefill is not None and not prefill.assembled:
             raise RuntimeError(
-                f"vllm-mla-fusion: {self.layer_name} had {end - num_decode} prefill tokens but vLLM's forward_mha "
-                "never built their key; set VLLM_MLA_FUSION_PREFILL_KEY=0 and report this vLLM configuration"
+                f"vllm-mla-fusion: {self.layer_name} had {end - num_decode} prefill tokens (and {prefill.key_start} "
+                "decode tokens the same launch serves) but vLLM's forward_mha never built their key; set "
+                "VLLM_MLA_FUSION_PREFILL_KEY=0 and report this vLLM configuration"
             )
 
     def assemble_prefill_key(self, k_nope: torch.Tensor, k_pe: torch.Tensor, vllm_concat) -> torch.Tensor:
@@ -260,31 +290,37 @@ class FusedMLAAttention(MLAAttention):
 
         Takes the place of ``impl._concat_k_nope_k_pe``. Only the first call of a
         fused step is the step's own tokens; any other (the chunked context, read
-        back from the cache already rotated) is vLLM's concat.
+        back from the cache already rotated) is vLLM's concat. ``k_pe`` is vLLM's
+        view of the prefill rows of the step's k_pe; the launch takes the step's
+        own rows (decode rows too, when it serves them), the same memory.
         """
         step = self._steps.prefill
         if step is None or step.assembled:
             return vllm_concat(k_nope, k_pe)
         step.assembled = True
-        num_tokens, num_heads, rope_dim = step.q_pe.shape
-        if tuple(k_nope.shape[:2]) != (num_tokens, num_heads) or k_nope.dtype != step.q_pe.dtype:
+        num_rows, num_heads, rope_dim = step.q_pe.shape
+        num_keys = num_rows - step.key_start
+        if tuple(k_nope.shape[:2]) != (num_keys, num_heads) or k_nope.dtype != step.q_pe.dtype:
             # Not the key this step was prepared for: keep the semantics (rotate and
             # write first, then vLLM's concat of the rotated k_pe) rather than guess.
             logger.warning_once(
                 "vllm-mla-fusion: unexpected prefill key input %s %s in %s; using op 1 + vLLM's concat",
                 tuple(k_nope.shape), k_nope.dtype, self.layer_name,
             )  # fmt: skip
-            self._bound_ops.get(OP_ROPE_CACHE, step.kv_cache_dtype, step.is_neox)(
-                step.positions, step.q_pe, k_pe, step.kv_c, step.cos_sin_cache, step.slot_mapping, step.kv_cache,
-                self._k_scale,
-            )  # fmt: skip
+            op1 = self._bound_ops.get(OP_ROPE_CACHE, step.kv_cache_dtype, step.is_neox)
+            s = step.key_start
+            if s:  # the decode rows this launch was to serve
+                op1(step.positions[:s], step.q_pe[:s], step.k_pe[:s], step.kv_c[:s], step.cos_sin_cache,
+                    step.slot_mapping[:s], step.kv_cache, self._k_scale)  # fmt: skip
+            # The prefill rows through the k_pe vLLM's concat reads.
+            op1(step.positions[s:], step.q_pe[s:], k_pe, step.kv_c[s:], step.cos_sin_cache, step.slot_mapping[s:],
+                step.kv_cache, self._k_scale)  # fmt: skip
             return vllm_concat(k_nope, k_pe)
-        k_out = torch.empty(
-            (num_tokens, num_heads, k_nope.shape[-1] + rope_dim), dtype=k_nope.dtype, device=k_nope.device
-        )
+        k_out = torch.empty((num_keys, num_heads, k_nope.shape[-1] + rope_dim), dtype=k_nope.dtype,
+                            device=k_nope.device)  # fmt: skip
         self._bound_ops.get(OP_PREFILL, step.kv_cache_dtype, step.is_neox)(
-            step.positions, step.q_pe, k_pe, step.kv_c, step.cos_sin_cache, step.slot_mapping, step.kv_cache,
-            self._k_scale, k_nope, k_out,
+            step.positions, step.q_pe, step.k_pe, step.kv_c, step.cos_sin_cache, step.slot_mapping, step.kv_cache,
+            self._k_scale, k_nope, k_out, None, step.key_start,
         )  # fmt: skip
         return k_out
 
