@@ -231,8 +231,8 @@ def main(argv=None) -> int:
             0, T, T + 1, positions, q_pe, kv_c_normed, slot_mapping))  # fmt: skip
 
         def prefill_step():
-            return plugin_attention._PrefillStep(positions, q_pe, kv_c_normed, slot_mapping, kv_cache,
-                                                 mla_on.kv_cache_dtype, cos_sin_cache, is_neox)  # fmt: skip
+            return plugin_attention._PrefillStep(positions, q_pe, k_pe_on, kv_c_normed, slot_mapping, kv_cache,
+                                                 mla_on.kv_cache_dtype, cos_sin_cache, is_neox, 0)  # fmt: skip
 
         timed("plugin: _PrefillStep(...) construction", prefill_step)
 

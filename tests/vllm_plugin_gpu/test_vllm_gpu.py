@@ -18,7 +18,7 @@ not run within the budget is skipped with that reason.
 | test_bf16_compiled_bit_identical | compiled, bf16: greedy tokens, their logprobs and teacher-forced logprobs equal bit for bit |
 | test_bf16_eager_within_vllms_own_noise | eager: teacher-forced logprobs on vs off within 1.5x vLLM's own eager-vs-compiled difference |
 | test_fp8_error_no_larger_than_vllms | fp8 cache (FLASHMLA: fp8 query; TRITON_MLA: bf16 query): mean error vs the bf16-cache engine at most 1.1x vLLM's own + 1e-3 |
-| test_launch_census | per profiled step: our kernel once per layer (twice in mixed steps), none of vLLM's RoPE / cache-write / query-concat kernels |
+| test_launch_census | per profiled step: our kernel once per layer (twice in mixed steps where op 2 assembles the decode query), none of vLLM's RoPE / cache-write / query-concat kernels |
 """
 
 from __future__ import annotations
