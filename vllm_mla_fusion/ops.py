@@ -32,7 +32,7 @@ import torch
 
 from . import dispatch, validation
 from .binding import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE, BoundOp, BoundOps
-from .validation import check_argument_types
+from .validation import argument_types_ok, check_argument_types
 
 __all__ = ["mla_rope_cache_write", "mla_decode_rope_cache_write", "mla_prefill_rope_cache_write", "eager"]
 
@@ -220,9 +220,11 @@ def mla_rope_cache_write(
     Entries of ``positions`` and ``slot_mapping`` past T are ignored.
     Raises ValueError/TypeError, before anything is written, on malformed input.
     """
-    check_argument_types(positions=positions, q_pe=q_pe, k_pe=k_pe, kv_c=kv_c, cos_sin_cache=cos_sin_cache,
-                         is_neox=is_neox, slot_mapping=slot_mapping, kv_cache=kv_cache, kv_cache_dtype=kv_cache_dtype,
-                         kv_cache_scale=kv_cache_scale)  # fmt: skip
+    if not argument_types_ok((positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache), (is_neox,),
+                             kv_cache_dtype, (kv_cache_scale,)):  # fmt: skip
+        check_argument_types(positions=positions, q_pe=q_pe, k_pe=k_pe, kv_c=kv_c, cos_sin_cache=cos_sin_cache,
+                             is_neox=is_neox, slot_mapping=slot_mapping, kv_cache=kv_cache,
+                             kv_cache_dtype=kv_cache_dtype, kv_cache_scale=kv_cache_scale)  # fmt: skip
     torch.ops.mla_fusion.mla_rope_cache_write(
         positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache,
         kv_cache_dtype, kv_cache_scale, backend or "auto",
@@ -262,10 +264,12 @@ def mla_decode_rope_cache_write(
 
     The other arguments are those of :func:`mla_rope_cache_write`.
     """
-    check_argument_types(positions=positions, ql_nope=ql_nope, q_pe=q_pe, k_pe=k_pe, kv_c=kv_c,
-                         cos_sin_cache=cos_sin_cache, is_neox=is_neox, slot_mapping=slot_mapping, kv_cache=kv_cache,
-                         q_out=q_out, kv_cache_dtype=kv_cache_dtype, kv_cache_scale=kv_cache_scale, q_scale=q_scale,
-                         is_nope_first=is_nope_first)  # fmt: skip
+    if not argument_types_ok((positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, q_out),
+                             (is_neox, is_nope_first), kv_cache_dtype, (kv_cache_scale, q_scale)):  # fmt: skip
+        check_argument_types(positions=positions, ql_nope=ql_nope, q_pe=q_pe, k_pe=k_pe, kv_c=kv_c,
+                             cos_sin_cache=cos_sin_cache, is_neox=is_neox, slot_mapping=slot_mapping,
+                             kv_cache=kv_cache, q_out=q_out, kv_cache_dtype=kv_cache_dtype,
+                             kv_cache_scale=kv_cache_scale, q_scale=q_scale, is_nope_first=is_nope_first)  # fmt: skip
     torch.ops.mla_fusion.mla_decode_rope_cache_write(
         positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, q_out,
         kv_cache_dtype, kv_cache_scale, q_scale, is_nope_first, backend or "auto",
@@ -319,10 +323,12 @@ def mla_prefill_rope_cache_write(
     fp8 key: not rounded through ``k_pe``'s dtype first). The AITER backend has no
     such op: on ROCm the Triton kernel runs it.
     """
-    check_argument_types(positions=positions, q_pe=q_pe, k_pe=k_pe, kv_c=kv_c, k_nope=k_nope,
-                         cos_sin_cache=cos_sin_cache, is_neox=is_neox, slot_mapping=slot_mapping, kv_cache=kv_cache,
-                         k_out=k_out, kv_cache_dtype=kv_cache_dtype, kv_cache_scale=kv_cache_scale,
-                         key_start=key_start)  # fmt: skip
+    if not argument_types_ok((positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, slot_mapping, kv_cache, k_out),
+                             (is_neox,), kv_cache_dtype, (kv_cache_scale,), key_start):  # fmt: skip
+        check_argument_types(positions=positions, q_pe=q_pe, k_pe=k_pe, kv_c=kv_c, k_nope=k_nope,
+                             cos_sin_cache=cos_sin_cache, is_neox=is_neox, slot_mapping=slot_mapping,
+                             kv_cache=kv_cache, k_out=k_out, kv_cache_dtype=kv_cache_dtype,
+                             kv_cache_scale=kv_cache_scale, key_start=key_start)  # fmt: skip
     torch.ops.mla_fusion.mla_prefill_rope_cache_write(
         positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping, kv_cache, k_out,
         kv_cache_dtype, kv_cache_scale, backend or "auto", key_start=key_start,

@@ -76,6 +76,25 @@ def check_argument_types(**args: object) -> None:
             _require_tensor(name, value)
 
 
+def argument_types_ok(tensors: tuple, flags: tuple, kv_cache_dtype: object, scales: tuple, key_start=0) -> bool:
+    """Whether :func:`check_argument_types` would pass, in one pass and without its messages.
+
+    The public ops' common case costs a few isinstance checks (~0.3 us) instead of a loop over
+    named arguments (~2.5 us on a GPU host's CPU); on False the caller runs
+    check_argument_types, which names the argument (and accepts what this fast path leaves to it,
+    a SymInt key_start)."""
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            return False
+    for f in flags:
+        if type(f) is not bool:
+            return False
+    for s in scales:
+        if s is not None and not isinstance(s, torch.Tensor):
+            return False
+    return isinstance(kv_cache_dtype, str) and type(key_start) is int
+
+
 def _check_key_start_type(key_start: object) -> None:
     # bool is an int subclass; a flag passed where a token count belongs is a bug, not 0 or 1.
     # A SymInt is what a fake (torch.compile tracing) may receive.

@@ -34,14 +34,15 @@ class Speed:
     prefill_tokens_per_s: float
 
 
-# H200 guesses. Dense: bench_vllm_e2e.py's engines started in 80-115 s cold and 19-23 s warm
-# (61 layers, vllm.LLM); `vllm serve` adds the API server's own import of vLLM (~15-20 s).
-# The earlier manual serving run saw TPOT 21-38 ms at 16 req/s and 7.2-7.4 ms at 64 in flight.
+# H200 guesses. Dense, measured by this benchmark's first H200 run (2026-12-02, 61 layers): `vllm
+# serve` healthy after 150 and 173 s cold, 93 and 102 s warm (the API server's import, graph
+# capture and the compile-cache load dominate a warm start); loads as estimated below to within
+# ~10%. TPOT 18-26 ms at 16 req/s and 8.7 ms at 64 in flight.
 # fp8-moe: not yet measured; 58 MoE layers of 256 experts compile and load more slowly, and the
 # fp8 MoE kernels (Triton, without DeepGEMM or FlashInfer) make steps ~2x longer (a guess).
 # tiny-cpu: the CPU smoke test's 3-layer model on 2 cores.
 SPEEDS = {
-    "dense": Speed(35.0, 1.6, 25.0, 0.35, tpot_s=0.040, decode_step_s=0.010, prefill_tokens_per_s=60_000),
+    "dense": Speed(60.0, 1.6, 75.0, 0.35, tpot_s=0.015, decode_step_s=0.010, prefill_tokens_per_s=60_000),
     "fp8-moe": Speed(45.0, 2.6, 35.0, 0.7, tpot_s=0.070, decode_step_s=0.025, prefill_tokens_per_s=30_000),
     "tiny-cpu": Speed(60.0, 2.0, 60.0, 2.0, tpot_s=0.3, decode_step_s=0.3, prefill_tokens_per_s=800),
     # The whole model at TP8 (8 H200s): each rank builds fp8-moe's rank and the eight compile in parallel;
@@ -50,7 +51,7 @@ SPEEDS = {
     "full": Speed(90.0, 3.0, 60.0, 1.0, tpot_s=0.080, decode_step_s=0.030, prefill_tokens_per_s=40_000),
 }
 LOAD_OVERHEAD_S = 4.0  # per load: the dataset's prompts, the prefix-cache counters, vLLM's result file
-TEARDOWN_S = 15.0  # SIGINT to the last process of the server gone
+TEARDOWN_S = 10.0  # SIGINT to the last process of the server gone (2-3 s measured for the dense stand-in)
 # --probe (probe.py): the redraw on every rank, three greedy requests alone, a profiled decode batch and
 # rank 0's trace written and read; a guess for the full model at TP8.
 PROBE_S = 60.0

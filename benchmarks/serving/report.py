@@ -49,11 +49,13 @@ def _spread(values: list[float]) -> dict:
 
 
 def comparison_pairs(sides: list[str]) -> list[tuple[str, str]]:
-    """(side, reference) pairs: every side against ``off`` (else the first side); ``on`` against each baseline."""
+    """(side, reference) pairs: every side against ``off`` (else the first side); ``on`` against each
+    baseline (``on@PATH``); each switch variant (``on+NAME=VALUE``) against ``on``."""
     reference = "off" if "off" in sides else sides[0]
     pairs = [(s, reference) for s in sides if s != reference]
     if "on" in sides and reference != "on":
         pairs += [("on", s) for s in sides if s.startswith("on@")]
+        pairs += [(s, "on") for s in sides if s.startswith("on+")]
     return pairs
 
 

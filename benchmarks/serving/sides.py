@@ -8,6 +8,9 @@ A side is written as on the command line:
   ``vllm_mla_fusion/``), put first on the server's PYTHONPATH: a baseline commit and the
   new one compared in one lease. vLLM still finds the plugin through the installed entry
   point (``vllm_mla_fusion.vllm_plugin:register``), which then imports PATH's package.
+- ``on+NAME=VALUE`` (also ``on@PATH+NAME=VALUE``, repeatable): a plugin side with one of the
+  plugin's switches set (docs/vllm.md), e.g. ``on+VLLM_MLA_FUSION_DECODE=0``: the
+  ``rope_cache`` mode (op 1 inside the compiled graph) against the default ``decode`` mode.
 
 Servers take turns side by side, and every round reverses the order of the one before
 (on, off, off, on, on, off, ...), so that no side always starts right after the same
@@ -23,7 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV_ENABLE = "VLLM_MLA_FUSION"  # vllm_mla_fusion.vllm_plugin.ENV_ENABLE (not imported: the driver stays vLLM-free)
+ENV_DECODE = "VLLM_MLA_FUSION_DECODE"  # its ENV_DECODE: off means every layer in rope_cache mode
 PACKAGE = "vllm_mla_fusion"
+OFF_VALUES = ("0", "false", "no", "off")  # vllm_plugin.env_enabled's
 
 
 @dataclass(frozen=True)
@@ -33,35 +38,60 @@ class Side:
     name: str
     plugin: bool
     checkout: Path | None = None
+    env: tuple[tuple[str, str], ...] = ()  # the plugin's switches this side sets
 
     @property
     def slug(self) -> str:
-        """A file-name-safe, unique label: ``off``, ``on``, ``on-at-<dir>-<hash>``."""
-        if self.checkout is None:
-            return self.name
-        digest = hashlib.sha1(str(self.checkout).encode()).hexdigest()[:6]
-        return f"on-at-{re.sub(r'[^A-Za-z0-9_.-]', '_', self.checkout.name)}-{digest}"
+        """A file-name-safe, unique label: ``off``, ``on``, ``on-at-<dir>-<hash>``, then
+        ``-<NAME>_<VALUE>`` per switch (NAME without the ``VLLM_MLA_FUSION_`` prefix)."""
+        base = self.name.partition("+")[0] if self.checkout is None else None
+        if self.checkout is not None:
+            digest = hashlib.sha1(str(self.checkout).encode()).hexdigest()[:6]
+            base = f"on-at-{re.sub(r'[^A-Za-z0-9_.-]', '_', self.checkout.name)}-{digest}"
+        switches = "".join(f"-{name.removeprefix(ENV_ENABLE + '_')}_{value}" for name, value in self.env)
+        return re.sub(r"[^A-Za-z0-9_.-]", "_", base + switches)
+
+    @property
+    def expected_mode(self) -> str | None:
+        """The fusion mode the plugin's line must name, where this side's switches decide it."""
+        decode = dict(self.env).get(ENV_DECODE)
+        return "rope_cache" if decode is not None and decode.strip().lower() in OFF_VALUES else None
 
     def server_env(self, base: dict[str, str]) -> dict[str, str]:
-        """``base`` with this side's switch and, for ``on@PATH``, PATH first on PYTHONPATH."""
+        """``base`` with this side's switches and, for ``on@PATH``, PATH first on PYTHONPATH."""
         env = dict(base)
         env[ENV_ENABLE] = "1" if self.plugin else "0"
+        env.update(self.env)
         if self.checkout is not None:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(self.checkout), base.get("PYTHONPATH", "")) if p)
         return env
 
 
 def parse_side(text: str) -> Side:
-    """``off``, ``on`` or ``on@PATH`` (PATH must hold the package); ValueError otherwise."""
-    if text in ("on", "off"):
-        return Side(text, plugin=text == "on")
-    head, sep, path = text.partition("@")
+    """``off``, ``on``, ``on@PATH`` (PATH must hold the package), either plugin side followed by
+    ``+NAME=VALUE`` switches (NAME one of the plugin's ``VLLM_MLA_FUSION_*`` variables other than
+    ``VLLM_MLA_FUSION`` itself); ValueError otherwise."""
+    base, *assignments = text.split("+")
+    env = []
+    for a in assignments:
+        name, sep, value = a.partition("=")
+        if not sep or not name.startswith(ENV_ENABLE + "_") or not value:
+            raise ValueError(f"side {text!r}: a switch is +VLLM_MLA_FUSION_<NAME>=<VALUE>, not {a!r}")
+        env.append((name, value))
+    if len({name for name, _ in env}) != len(env):
+        raise ValueError(f"side {text!r} sets a switch twice")
+    if base in ("on", "off"):
+        if base == "off" and env:
+            raise ValueError(f"side {text!r}: the off side runs vLLM as shipped, it takes no plugin switch")
+        return Side(text, plugin=base == "on", env=tuple(env))
+    head, sep, path = base.partition("@")
     if head != "on" or not sep or not path:
-        raise ValueError(f"a side is 'off', 'on' or 'on@PATH', not {text!r}")
+        raise ValueError(f"a side is 'off', 'on', 'on@PATH' or a plugin side with +NAME=VALUE switches, not {text!r}")
     checkout = Path(path).expanduser().resolve()
     if not (checkout / PACKAGE / "__init__.py").is_file():
         raise ValueError(f"side {text!r}: {checkout} holds no {PACKAGE}/ package")
-    return Side(f"on@{checkout}", plugin=True, checkout=checkout)
+    suffix = "".join(f"+{name}={value}" for name, value in env)
+    return Side(f"on@{checkout}{suffix}", plugin=True, checkout=checkout, env=tuple(env))
 
 
 def parse_sides(texts: list[str]) -> list[Side]:

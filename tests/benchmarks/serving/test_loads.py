@@ -71,3 +71,11 @@ def test_vllm_bench_serve_reads_the_arguments_as_meant():
     assert a.ready_check_timeout_sec == 5
     paced = parser.parse_args(_args(PRESETS["rate4"]))
     assert paced.request_rate == 4.0 and paced.max_concurrency is None
+
+
+def test_a_chat_like_load_whose_mixed_steps_replay_piecewise_graphs():
+    """short32's steps (a prompt or two plus the running decodes) stay within the 512 tokens vLLM
+    captures on an H200, so they exercise piecewise CUDA graphs, which the 1k-prompt loads never do."""
+    short = PRESETS["short32"]
+    assert short.input_len * 2 <= 512 < PRESETS["rate4"].input_len
+    assert short.measured and "short32" not in DEFAULT_LOADS  # the issue's loads stay the default

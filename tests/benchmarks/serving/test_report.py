@@ -57,6 +57,11 @@ def test_a_baseline_checkout_is_compared_with_off_and_with_on():
     assert report.comparison_pairs(["on", "on@/b"]) == [("on@/b", "on")]  # no off: against the first side, once
 
 
+def test_a_switch_variant_is_compared_with_off_and_with_on():
+    assert report.comparison_pairs(["on", "off", "on+VLLM_MLA_FUSION_DECODE=0"]) == [
+        ("on", "off"), ("on+VLLM_MLA_FUSION_DECODE=0", "off"), ("on+VLLM_MLA_FUSION_DECODE=0", "on")]
+
+
 def test_a_shorter_model_scales_latency_deltas_to_61_layers(write_results):
     results = report.read_results(write_results(_two_per_side()))
     loads = report.summarize(results, ["on", "off"], layers=20)

@@ -45,6 +45,15 @@ def test_a_fallback_fails_the_on_side():
         confirm_side(parse_side("on"), f"{LINE}\n{FALLBACK}\n")
 
 
+def test_a_switch_side_needs_the_mode_it_asks_for():
+    rope_cache = LINE.replace("mode decode", "mode rope_cache")
+    side = parse_side("on+VLLM_MLA_FUSION_DECODE=0")
+    assert confirm_side(side, rope_cache)["fused_lines"][0]["mode"] == "rope_cache"
+    with pytest.raises(ServerFailed, match="ask for mode rope_cache, the plugin's line says decode"):
+        confirm_side(side, LINE)
+    assert confirm_side(parse_side("on+VLLM_MLA_FUSION_PDL=0"), LINE)  # a switch that leaves the mode alone
+
+
 def test_off_must_not_have_the_line():
     assert confirm_side(parse_side("off"), "INFO Using FLASH_ATTN_MLA backend.\n")["fused_lines"] == []
     with pytest.raises(ServerFailed, match="switched off"):

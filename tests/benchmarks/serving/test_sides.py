@@ -74,3 +74,29 @@ def test_a_resumed_run_continues_the_sequence():
     assert server_order(sides, 2, first=2) == [(2, side_of_server(sides, 2)), (3, side_of_server(sides, 3))]
     assert [s.name for _, s in server_order(sides, 2, first=1)] == ["off", "off", "on"]
     assert server_order(sides, 2, first=4) == []
+
+
+def test_a_plugin_side_with_switches(old_checkout):
+    side = parse_side("on+VLLM_MLA_FUSION_DECODE=0")
+    assert side.plugin and side.checkout is None and side.env == (("VLLM_MLA_FUSION_DECODE", "0"),)
+    assert side.name == "on+VLLM_MLA_FUSION_DECODE=0" and side.slug == "on-DECODE_0"
+    assert side.expected_mode == "rope_cache" and parse_side("on").expected_mode is None
+    env = side.server_env({"VLLM_MLA_FUSION_DECODE": "1", "OTHER": "x"})
+    assert env == {"VLLM_MLA_FUSION": "1", "VLLM_MLA_FUSION_DECODE": "0", "OTHER": "x"}
+    two = parse_side("on+VLLM_MLA_FUSION_PREFILL_KEY=0+VLLM_MLA_FUSION_PDL=0")
+    assert two.slug == "on-PREFILL_KEY_0-PDL_0" and two.expected_mode is None
+    at = parse_side(f"on@{old_checkout}+VLLM_MLA_FUSION_DECODE=off")
+    assert at.checkout == old_checkout.resolve() and at.expected_mode == "rope_cache"
+    assert at.slug.startswith("on-at-old-") and at.slug.endswith("-DECODE_off")
+    assert at.server_env({})["PYTHONPATH"] == str(old_checkout.resolve())
+    # Distinct sides, distinct compile caches: every slug differs.
+    sides = parse_sides(["on", "off", "on+VLLM_MLA_FUSION_DECODE=0", f"on@{old_checkout}+VLLM_MLA_FUSION_DECODE=0"])
+    assert len({s.slug for s in sides}) == 4
+
+
+@pytest.mark.parametrize("text", ["off+VLLM_MLA_FUSION_DECODE=0", "on+DECODE=0", "on+VLLM_MLA_FUSION_DECODE",
+                                  "on+VLLM_MLA_FUSION_DECODE=", "on+VLLM_MLA_FUSION_DECODE=0+VLLM_MLA_FUSION_DECODE=1",
+                                  "on+VLLM_ATTENTION_BACKEND=TRITON_MLA"])  # fmt: skip
+def test_bad_switches_are_refused(text):
+    with pytest.raises(ValueError):
+        parse_side(text)
