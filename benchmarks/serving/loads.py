@@ -66,8 +66,9 @@ class Load:
 # has more tokens than vLLM captures in CUDA graphs (512 on an H200), so attention and
 # everything around it run without graphs. ``short32`` is the chat-like counterpart: 256-token
 # prompts, whose mixed steps (one or two prompts plus the running decodes) fit the capture
-# sizes and replay piecewise graphs, where vLLM's own RoPE and cache write are inside the graph
-# and the plugin's run in the attention op, outside it. The warm-up goes first on every server
+# sizes and replay piecewise graphs: vLLM's RoPE is inside the graph there, its cache write
+# (a splitting op in vLLM 0.33's defaults) and the plugin's fused op are not, unless
+# VLLM_MLA_FUSION_GRAPH_ROPE=1 moves the latter into the graph. The warm-up goes first on every server
 # (first requests after start-up pay one-time costs; its own seed keeps its prompts out of
 # the measured loads' prefix cache).
 PRESETS: dict[str, Load] = {

@@ -61,8 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=models.FULL_DEPTH,
                     help="decoder layers of the stand-in (deltas are also reported scaled to 61)")
     ap.add_argument("--sides", nargs="+", default=["on", "off"],
-                    help="off, on, on@PATH (another checkout's plugin), on+VLLM_MLA_FUSION_<NAME>=<VALUE> (a plugin "
-                    "switch set, e.g. on+VLLM_MLA_FUSION_DECODE=0); the first round starts in this order")
+                    help="off, on, on@PATH (another checkout's plugin), on+NAME=VALUE (a plugin switch set, e.g. "
+                    "on+VLLM_MLA_FUSION_DECODE=0); the first round starts in this order")
     ap.add_argument("--servers-per-side", type=int, default=2, help="servers per side over the whole (resumed) run")
     ap.add_argument("--loads", nargs="+", default=list(DEFAULT_LOADS),
                     help="preset names (loads.PRESETS) or name=N,in=N,out=N,rate=R[,concurrency=C],prompts=N")

@@ -43,7 +43,7 @@ class Side:
     @property
     def slug(self) -> str:
         """A file-name-safe, unique label: ``off``, ``on``, ``on-at-<dir>-<hash>``, then
-        ``-<NAME>_<VALUE>`` per switch (NAME without the ``VLLM_MLA_FUSION_`` prefix)."""
+        ``-<NAME>_<VALUE>`` per switch (NAME less the prefix ``VLLM_MLA_FUSION`` and its underscore)."""
         base = self.name.partition("+")[0] if self.checkout is None else None
         if self.checkout is not None:
             digest = hashlib.sha1(str(self.checkout).encode()).hexdigest()[:6]
@@ -69,14 +69,14 @@ class Side:
 
 def parse_side(text: str) -> Side:
     """``off``, ``on``, ``on@PATH`` (PATH must hold the package), either plugin side followed by
-    ``+NAME=VALUE`` switches (NAME one of the plugin's ``VLLM_MLA_FUSION_*`` variables other than
-    ``VLLM_MLA_FUSION`` itself); ValueError otherwise."""
+    ``+NAME=VALUE`` switches (NAME one of the plugin's variables, e.g. ``VLLM_MLA_FUSION_DECODE``, other
+    than the on/off switch ``VLLM_MLA_FUSION`` itself); ValueError otherwise."""
     base, *assignments = text.split("+")
     env = []
     for a in assignments:
         name, sep, value = a.partition("=")
         if not sep or not name.startswith(ENV_ENABLE + "_") or not value:
-            raise ValueError(f"side {text!r}: a switch is +VLLM_MLA_FUSION_<NAME>=<VALUE>, not {a!r}")
+            raise ValueError(f"side {text!r}: a switch is +{ENV_ENABLE}_<NAME>=<VALUE>, not {a!r}")
         env.append((name, value))
     if len({name for name, _ in env}) != len(env):
         raise ValueError(f"side {text!r} sets a switch twice")

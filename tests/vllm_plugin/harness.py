@@ -174,11 +174,18 @@ def new_kv_cache(seed: int, shape: tuple[int, ...] = (NUM_BLOCKS, 1, BLOCK_SIZE,
     return torch.randn(shape, generator=g).to(DTYPE)
 
 
-def run_step(env: VllmCpu, attn, metadata, step: Step, hidden: torch.Tensor) -> torch.Tensor:
-    """One forward of the whole attention module (projections to o_proj) for ``step``."""
+def run_step(env: VllmCpu, attn, metadata, step: Step, hidden: torch.Tensor, cudagraph_runtime_mode=None) -> torch.Tensor:
+    """One forward of the whole attention module (projections to o_proj) for ``step``.
+
+    ``cudagraph_runtime_mode`` (vLLM's CUDAGraphMode, default NONE) is what the forward context
+    says, as when vLLM captures or replays graphs: the ops that look at it behave accordingly
+    (on a CPU nothing is captured; the ops' Python runs as it does at capture time)."""
+    from vllm.config import CUDAGraphMode
     from vllm.forward_context import set_forward_context
 
     _, mla = mla_layer(attn)
     name = mla.layer_name
-    with env.active(), set_forward_context({name: metadata}, env.config, slot_mapping={name: step.slots}):
+    mode = CUDAGraphMode.NONE if cudagraph_runtime_mode is None else cudagraph_runtime_mode
+    with env.active(), set_forward_context({name: metadata}, env.config, slot_mapping={name: step.slots},
+                                           cudagraph_runtime_mode=mode):  # fmt: skip
         return attn(step.positions, hidden, None)

@@ -114,6 +114,24 @@ def test_decode_rules_from_config(vllm_cpu, plugin_off, monkeypatch):
     assert "VLLM_MLA_FUSION_DECODE=0" in decode_reason(attn, config)
 
 
+def test_graph_rope_is_opt_in_and_needs_piecewise_graphs(vllm_cpu, monkeypatch):
+    from vllm.config import CUDAGraphMode
+
+    from vllm_mla_fusion.vllm_plugin.eligibility import graph_rope_reason
+
+    cc = vllm_cpu.config.compilation_config
+    monkeypatch.setattr(cc, "cudagraph_mode", CUDAGraphMode.FULL_AND_PIECEWISE)
+    monkeypatch.delenv("VLLM_MLA_FUSION_GRAPH_ROPE", raising=False)
+    assert "VLLM_MLA_FUSION_GRAPH_ROPE is not set" in graph_rope_reason(vllm_cpu.config)
+    monkeypatch.setenv("VLLM_MLA_FUSION_GRAPH_ROPE", "1")
+    assert graph_rope_reason(vllm_cpu.config) is None
+    monkeypatch.setattr(cc, "cudagraph_mode", CUDAGraphMode.PIECEWISE)
+    assert graph_rope_reason(vllm_cpu.config) is None
+    for mode in (CUDAGraphMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY):
+        monkeypatch.setattr(cc, "cudagraph_mode", mode)
+        assert "replays no piecewise graphs" in graph_rope_reason(vllm_cpu.config)
+
+
 def _two_steps(vllm_cpu, attns):
     """Outputs and caches of a prefill then a decode step, for each layer in ``attns``."""
     builder = vllm_cpu.builder([H.mla_layer(a)[1].layer_name for a in attns])

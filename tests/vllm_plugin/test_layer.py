@@ -129,10 +129,14 @@ class LaunchCounter:
 # key (op 1 + its concat), and decode mode as on FLASH_ATTN_MLA / CUTLASS_MLA, whose
 # forward_mqa takes (ql_nope, q_pe) unconcatenated (CPU_MLA stands in: it concatenates
 # a pair itself).
+# "decode+graph-rope": decode mode with VLLM_MLA_FUSION_GRAPH_ROPE=1 and piecewise graphs configured;
+# its schedule alternates steps that capture or replay piecewise graphs (op 1 in the graph op,
+# vLLM's forward_impl as is) with steps that run without graphs (decode mode as usual).
 LAYOUTS = [("decode", 1536, True, False), ("rope_cache", 1536, False, False), ("decode", None, True, False),
-           ("decode", 1536, False, False), ("decode", 1536, True, True), ("decode", 1536, False, True)]  # fmt: skip
+           ("decode", 1536, False, False), ("decode", 1536, True, True), ("decode", 1536, False, True),
+           ("decode+graph-rope", 1536, True, False), ("decode+graph-rope", 1536, True, True)]  # fmt: skip
 LAYOUT_IDS = ["decode", "rope_cache", "decode-no-q-lora", "decode-prefill-key-off", "decode-pair-backend",
-              "decode-pair-backend-prefill-key-off"]  # fmt: skip
+              "decode-pair-backend-prefill-key-off", "decode-graph-rope", "decode-pair-backend-graph-rope"]  # fmt: skip
 
 
 @pytest.fixture
@@ -151,6 +155,13 @@ def layer_pair(vllm_cpu, plugin_off, monkeypatch, request):
         monkeypatch.setenv("VLLM_MLA_FUSION_DECODE", "0")
     elif not prefill_key:
         monkeypatch.setenv("VLLM_MLA_FUSION_PREFILL_KEY", "0")
+    graph_rope = mode == "decode+graph-rope"
+    if graph_rope:
+        from vllm.config import CUDAGraphMode
+
+        monkeypatch.setenv("VLLM_MLA_FUSION_GRAPH_ROPE", "1")
+        monkeypatch.setattr(vllm_cpu.config.compilation_config, "cudagraph_mode", CUDAGraphMode.FULL_AND_PIECEWISE)
+        mode = "decode"
     if pair_backend:
         from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
 
@@ -165,6 +176,7 @@ def layer_pair(vllm_cpu, plugin_off, monkeypatch, request):
     assert getattr(on.mla_attn.mla_attn, "_prefill_key_fused", False) == prefill_key
     if mode == "decode":
         assert on.mla_attn.mla_attn._decode_assembles_query == (not pair_backend)
+        assert on.mla_attn.mla_attn._graph_rope == graph_rope
     assert (on.mla_attn.q_proj is None) == (q_lora_rank is not None)
     for attn in (off, on):
         H.mla_layer(attn)[1].bind_kv_cache(H.new_kv_cache(seed=7))
@@ -202,10 +214,13 @@ def test_schedule_matches_vllm_with_the_triton_kernel(vllm_cpu, layer_pair, monk
 
 
 def _run_schedule(vllm_cpu, layer_pair, monkeypatch, backend_module):
+    from vllm.config import CUDAGraphMode
+
     off, on = layer_pair
     mode = on.mla_attn.fusion_mode
     prefill_key = getattr(on.mla_attn.mla_attn, "_prefill_key_fused", False)
     assembles = getattr(on.mla_attn.mla_attn, "_decode_assembles_query", False)
+    graph_rope = getattr(on.mla_attn.mla_attn, "_graph_rope", False)
     from vllm.model_executor.layers.attention.mla_attention import MLACommonBaseImpl
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
 
@@ -224,7 +239,9 @@ def _run_schedule(vllm_cpu, layer_pair, monkeypatch, backend_module):
     written = torch.zeros(caches["off"].shape[:2], dtype=torch.bool)
     canary = caches["off"].clone()
     g = torch.Generator().manual_seed(3)
-    for step in steps:
+    for index, step in enumerate(steps):
+        # Graph-rope layers: every other step as if piecewise graphs were captured or replayed.
+        in_graph = graph_rope and index % 2 == 0
         common = H.prepare_step(step, requests)
         with vllm_cpu.active():
             metadata = builder.build(0, common)
@@ -241,12 +258,16 @@ def _run_schedule(vllm_cpu, layer_pair, monkeypatch, backend_module):
             assert concats_off >= 2, "the chunked prefill must read its context back from the cache"
 
         cpu_stand_ins.DECODE_QUERIES.clear()
-        got = H.run_step(vllm_cpu, on, metadata, step, hidden)
+        got = H.run_step(vllm_cpu, on, metadata, step, hidden,
+                         cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE if in_graph else None)  # fmt: skip
         queries_on = list(cpu_stand_ins.DECODE_QUERIES)
         # Launches of the fused ops, and no separate RoPE or cache write.
         assert (take_all(rope_counters), vllm_cache_writes.take()) == (0, 0), step.name
         has_prefill, has_decode = T > num_decode, num_decode > 0
-        if mode == "decode":
+        if in_graph:
+            # Op 1 over the padded batch in the graph op; vLLM's forward_impl does the rest as without us.
+            expected = (1, 0, 0)
+        elif mode == "decode":
             # (op 1, op 2, op 3): prefill rows through op 3, or op 1 when vLLM builds the key.
             # The decode rows, when the backend takes the pair as it is, join op 3's launch
             # (key_start) if there is one, else op 1's, which also takes the prefill rows when
@@ -258,7 +279,7 @@ def _run_schedule(vllm_cpu, layer_pair, monkeypatch, backend_module):
             expected = (1, 0, 0)
         assert (fused_rope_cache.take(), fused_decode.take(), fused_prefill.take()) == expected, step.name
         # With op 3, vLLM no longer builds the step's own key; context chunks still use its concat.
-        assert vllm_key_concat.take() == concats_off - int(has_prefill and prefill_key), step.name
+        assert vllm_key_concat.take() == concats_off - int(has_prefill and prefill_key and not in_graph), step.name
 
         assert_output_close(got[:T], want[:T], f"{step.name}: attention output")
         # The decode query the backend's decode kernel received.
@@ -280,7 +301,7 @@ def _run_schedule(vllm_cpu, layer_pair, monkeypatch, backend_module):
             assert torch.equal(cache[untouched], canary[untouched]), f"{step.name}: {name} wrote elsewhere"
 
 
-@pytest.mark.parametrize("layer_pair", LAYOUTS[:2], ids=LAYOUT_IDS[:2], indirect=True)
+@pytest.mark.parametrize("layer_pair", [*LAYOUTS[:2], LAYOUTS[6]], ids=[*LAYOUT_IDS[:2], LAYOUT_IDS[6]], indirect=True)
 def test_compiled_forward_matches_eager(vllm_cpu, layer_pair):
     """The fused forward traces into one graph (the ops are custom ops with fakes) and computes the same."""
     off, on = layer_pair
@@ -293,6 +314,7 @@ def test_compiled_forward_matches_eager(vllm_cpu, layer_pair):
         graph_ops.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
+    torch._dynamo.reset()  # each case compiles the same forward anew: earlier cases' entries would hit the cache limit
     compiled = torch.compile(on, backend=recording_backend, fullgraph=True, dynamic=False)
     g = torch.Generator().manual_seed(5)
     for step in steps[:4]:  # prefill, decodes, mixed
@@ -315,6 +337,9 @@ def test_compiled_forward_matches_eager(vllm_cpu, layer_pair):
         "rope_cache": "mla_fusion_vllm.rope_kv_cache_update",
     }[on.mla_attn.fusion_mode]
     assert any(fused_op in t for t in graph_ops), sorted(graph_ops)
+    # A graph-rope layer's graph op stands before its attention op (a no-op without piecewise graphs).
+    graph_op = any("mla_fusion_vllm.piecewise_rope_kv_cache_update" in t for t in graph_ops)
+    assert graph_op == H.mla_layer(on)[1]._graph_rope if on.mla_attn.fusion_mode == "decode" else not graph_op
     assert not any("unified_mla_kv_cache_update" in t for t in graph_ops)
 
 

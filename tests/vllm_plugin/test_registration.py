@@ -114,7 +114,7 @@ def test_register_never_raises(plugin_off, monkeypatch, caplog):
     """vLLM calls general plugins without a guard: a failure must become a warning."""
     from vllm_mla_fusion.vllm_plugin import compat, register
 
-    def broken():
+    def broken(fused_wrapper):
         raise RuntimeError("simulated registry failure")
 
     monkeypatch.setattr(compat, "register_wrapper", broken)

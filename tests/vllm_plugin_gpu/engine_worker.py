@@ -178,8 +178,19 @@ class Runner:
         kwargs = self.llm_kwargs(case)
         prof_dir = Path(kwargs["profiler_config"]["torch_profiler_dir"])
         self.n_engine += 1
+        # The plugin side's switches: read when the layers are built.
+        switches = dict(case.plugin_env) if on else {}
+        saved = {k: os.environ.get(k) for k in switches}
+        os.environ.update(switches)
         t = time.perf_counter()
-        llm = LLM(**kwargs)
+        try:
+            llm = LLM(**kwargs)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         rec["build_s"] = time.perf_counter() - t
         try:
             rec["mla_layers_redrawn"] = llm.apply_model(redraw_weights)[0]

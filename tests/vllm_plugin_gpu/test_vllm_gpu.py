@@ -16,6 +16,7 @@ not run within the budget is skipped with that reason.
 | test_cuda_graph_mode | eager: no graph; compiled: the CUDA-graph mode vLLM resolved has FULL decode graphs, and decode steps replayed them |
 | test_attention_paths | the prefill path ran, also with chunked context from the cache; multi-token batches took the decode path where the backend allows; identical on/off |
 | test_bf16_compiled_bit_identical | compiled, bf16: greedy tokens, their logprobs and teacher-forced logprobs equal bit for bit |
+| test_switch_cases_compiled_bit_identical | the same for cases with a plugin switch (FLASH_ATTN_MLA with VLLM_MLA_FUSION_GRAPH_ROPE=1) |
 | test_bf16_eager_within_vllms_own_noise | eager: teacher-forced logprobs on vs off within 1.5x vLLM's own eager-vs-compiled difference |
 | test_fp8_error_no_larger_than_vllms | fp8 cache (FLASHMLA: fp8 query; TRITON_MLA: bf16 query): mean error vs the bf16-cache engine at most 1.1x vLLM's own + 1e-3 |
 | test_launch_census | per profiled step: our kernel once per layer (twice in mixed steps where op 2 assembles the decode query), none of vLLM's RoPE / cache-write / query-concat kernels |
@@ -207,6 +208,12 @@ def test_attention_paths(run, name):
 @pytest.mark.parametrize("backend", list(W.GROUPS))
 def test_bf16_compiled_bit_identical(run, backend):
     print(checks.check_bf16_identical(*run.pair(W.case(backend, True).name)))
+
+
+@pytest.mark.parametrize("name", [n for n, c in W.ALL_CASES.items() if c.plugin_env and c.compiled])
+def test_switch_cases_compiled_bit_identical(run, name):
+    """With a plugin switch set (the graph-rope case: op 1 inside piecewise graphs), still bit for bit."""
+    print(checks.check_bf16_identical(*run.pair(name)))
 
 
 @pytest.mark.parametrize("backend", list(W.GROUPS))

@@ -55,16 +55,24 @@ CPU_MODEL_CONFIG = {**MODEL_CONFIG, "hidden_size": 256, "num_attention_heads": 4
                     "intermediate_size": 256, "vocab_size": 512}  # fmt: skip
 
 
+GRAPH_ROPE = (("VLLM_MLA_FUSION_GRAPH_ROPE", "1"),)  # the plugin side's switch of a graph-rope case
+
+
 @dataclass(frozen=True)
 class Case:
     backend: str
     compiled: bool
     kv_cache_dtype: str = "auto"
     max_num_batched_tokens: int = 256
+    plugin_env: tuple[tuple[str, str], ...] = ()  # switches set for the plugin side's engine
 
     @property
     def name(self) -> str:
-        return f"{self.backend}-{'compiled' if self.compiled else 'eager'}-{'bf16' if self.kv_cache_dtype == 'auto' else self.kv_cache_dtype}"
+        cache = "bf16" if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        name = f"{self.backend}-{'compiled' if self.compiled else 'eager'}-{cache}"
+        if self.plugin_env == GRAPH_ROPE:
+            return name + "-graph-rope"
+        return name + "".join(f"-{k}={v}" for k, v in self.plugin_env)
 
     def to_json(self) -> dict:
         return {**asdict(self), "name": self.name}
@@ -73,16 +81,19 @@ class Case:
 BUDGET = {"FLASH_ATTN_MLA": 1024, "FLASHMLA": 256, "TRITON_MLA": 256, "CPU_MLA": 64}
 
 
-def case(backend: str, compiled: bool, kv_cache_dtype: str = "auto") -> Case:
-    return Case(backend, compiled, kv_cache_dtype, BUDGET[backend])
+def case(backend: str, compiled: bool, kv_cache_dtype: str = "auto", plugin_env: tuple = ()) -> Case:
+    return Case(backend, compiled, kv_cache_dtype, BUDGET[backend], plugin_env)
 
 
 # One worker process per backend, run side by side on the GPU (an engine start is mostly
 # host work: compile, capture). Within a worker, in priority order: a worker that runs out
 # of time drops the last cases. The eager noise bound needs the compiled bf16 case of the
-# same backend, the fp8 comparison its compiled bf16 case (the reference).
+# same backend, the fp8 comparison its compiled bf16 case (the reference). The graph-rope case
+# (op 1 inside piecewise graphs, VLLM_MLA_FUSION_GRAPH_ROPE=1) goes last: its steps of at most
+# the capture size replay piecewise graphs with the fused op captured in them.
 GROUPS = {
-    "FLASH_ATTN_MLA": [case("FLASH_ATTN_MLA", True), case("FLASH_ATTN_MLA", False)],
+    "FLASH_ATTN_MLA": [case("FLASH_ATTN_MLA", True), case("FLASH_ATTN_MLA", False),
+                       case("FLASH_ATTN_MLA", True, plugin_env=GRAPH_ROPE)],
     "FLASHMLA": [case("FLASHMLA", True), case("FLASHMLA", True, "fp8"), case("FLASHMLA", False)],
     "TRITON_MLA": [case("TRITON_MLA", True), case("TRITON_MLA", True, "fp8"), case("TRITON_MLA", False)],
 }

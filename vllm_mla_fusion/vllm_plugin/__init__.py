@@ -14,6 +14,8 @@ Switches (environment, read when ``register`` runs):
   the decode query assembly to vLLM (one fused launch for the whole batch).
 - ``VLLM_MLA_FUSION_PREFILL_KEY=0``: prefill rows get the fused RoPE + cache
   write, but vLLM builds their attention key (``_concat_k_nope_k_pe``).
+- ``VLLM_MLA_FUSION_GRAPH_ROPE=1`` (opt-in): in piecewise-graph steps, the fused
+  RoPE + cache write runs inside the graph piece, captured with it (eligibility.py).
 - ``VLLM_MLA_FUSION_PREWARM=0``: do not compile the Triton kernel's variants
   during vLLM's profile run (they then compile on first use).
 - ``VLLM_MLA_FUSION_BACKEND=torch|triton|aiter``: which implementation runs
@@ -32,6 +34,18 @@ from __future__ import annotations
 import logging
 import os
 
+from .settings import (
+    ENV_DECODE,
+    ENV_ENABLE,
+    ENV_GRAPH_ROPE,
+    ENV_PREFILL_KEY,
+    ENV_PREWARM,
+    ENVIRONMENT_VARIABLES,
+    LOCATION_VARIABLES,
+    SUPPORTED_VLLM,
+    env_enabled,
+)
+
 __all__ = [
     "register",
     "SUPPORTED_VLLM",
@@ -39,39 +53,14 @@ __all__ = [
     "ENV_DECODE",
     "ENV_PREFILL_KEY",
     "ENV_PREWARM",
+    "ENV_GRAPH_ROPE",
     "ENVIRONMENT_VARIABLES",
     "LOCATION_VARIABLES",
 ]
 
-ENV_ENABLE = "VLLM_MLA_FUSION"
-ENV_DECODE = "VLLM_MLA_FUSION_DECODE"
-ENV_PREFILL_KEY = "VLLM_MLA_FUSION_PREFILL_KEY"
-ENV_PREWARM = "VLLM_MLA_FUSION_PREWARM"
-# Every variable that changes what the package does (docs/vllm.md, "Switches";
-# docs/rocm.md for the AITER one). A test checks the package reads no other.
-ENVIRONMENT_VARIABLES = (
-    ENV_ENABLE,
-    ENV_DECODE,
-    ENV_PREFILL_KEY,
-    ENV_PREWARM,
-    "VLLM_MLA_FUSION_BACKEND",
-    "VLLM_MLA_FUSION_DEBUG",
-    "VLLM_MLA_FUSION_PDL",
-    "VLLM_MLA_FUSION_AITER_FP8",
-)
-# Read only by the checkout's scripts and benchmark: where something lives, not what is computed.
-LOCATION_VARIABLES = ("VLLM_MLA_FUSION_ENV", "VLLM_MLA_FUSION_AITER_TRITON_PATH")
-# The vLLM minor series whose MLA internals this plugin was written against.
-SUPPORTED_VLLM = "0.33"
-
 # vLLM's own loggers are configured by the time plugins load; logging under
 # "vllm." inherits its handlers and level.
 logger = logging.getLogger("vllm.vllm_mla_fusion")
-
-
-def env_enabled(name: str) -> bool:
-    """False only for an explicit off value; unset means on."""
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _reader(name: str):
@@ -133,6 +122,8 @@ def register() -> None:
         if reason is not None:
             logger.warning("vllm-mla-fusion: not registering the fused MLA path (%s); vLLM runs unmodified", reason)
             return
-        compat.register_wrapper()
+        from .layer import FusedMultiHeadLatentAttentionWrapper
+
+        compat.register_wrapper(FusedMultiHeadLatentAttentionWrapper)
     except Exception:  # noqa: BLE001 - a plugin must not take the server down
         logger.warning("vllm-mla-fusion: registration failed; vLLM runs unmodified", exc_info=True)

@@ -32,6 +32,12 @@ Launches per layer and step: decode-only 1, prefill-only 1, mixed 1 (2 where
 the decode query is assembled by op 2, whose input ``ql_nope`` only exists once
 ``forward_mqa`` runs).
 
+With ``graph_rope`` (eligibility.graph_rope_reason), a step that captures or
+replays piecewise CUDA graphs has its op 1 inside the graph piece before the
+attention op (custom_ops.piecewise_rope_kv_cache_update): the attention op then
+runs vLLM's forward_impl as vLLM would, with its own key and query
+concatenations, and launches nothing of ours. Other steps are as above.
+
 MLAAttention is not a pluggable layer and registers itself in vLLM's
 static forward context when built, so a second instance cannot be built in
 its place; the wrapper instead promotes the instance it built to this
@@ -43,6 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from vllm.forward_context import in_piecewise_cudagraph
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 from vllm.platforms import current_platform
@@ -50,7 +57,8 @@ from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
 from .. import validation
 from ..binding import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE, BoundOps
-from . import ENV_PREWARM, eligibility, env_enabled, prewarm
+from . import eligibility, prewarm
+from .settings import ENV_PREWARM, env_enabled
 from .custom_ops import write_target
 
 logger = init_logger("vllm.vllm_mla_fusion.attention")
@@ -102,13 +110,15 @@ class _Steps:
     """The decode and prefill steps forward_fused prepared, for the hooks forward_impl calls.
 
     A plain object rather than attributes of the layer: setting an attribute of a torch module
-    goes through ``nn.Module.__setattr__`` (~1 us each, four per layer and step)."""
+    goes through ``nn.Module.__setattr__`` (~1 us each, four per layer and step). ``in_graph``:
+    the step's op 1 ran inside a piecewise graph; the hooks leave everything to vLLM."""
 
-    __slots__ = ("decode", "prefill")
+    __slots__ = ("decode", "prefill", "in_graph")
 
     def __init__(self) -> None:
         self.decode: _DecodeStep | None = None
         self.prefill: _PrefillStep | None = None
+        self.in_graph = False
 
 
 def _rows(first: int, last: int, num_tokens: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -129,25 +139,33 @@ class FusedMLAAttention(MLAAttention):
     _prefill_key_reasons: set[str]  # per-step fallback reasons already logged
     _prewarm_block_size: int | None  # the cache's block size, when kernels are compiled in the profile run
     _decode_assembles_query: bool  # op 2 builds [ql_nope | rope(q_pe)]; else op 1 rotates the decode rows
+    _graph_rope: bool  # piecewise-graph steps run op 1 inside the graph (custom_ops.piecewise_rope_kv_cache_update)
     # The layer's ops: its backend and VLLM_MLA_FUSION_DEBUG fixed when it was built; keyed by
     # the cache format too, since profile runs write through a scratch cache ("auto").
     _bound_ops: BoundOps
 
     @classmethod
-    def promote(cls, attn: MLAAttention, backend: str, block_size: int) -> FusedMLAAttention:
+    def promote(cls, attn: MLAAttention, backend: str, block_size: int, graph_rope: bool = False) -> FusedMLAAttention:
         """Turn ``attn`` into a FusedMLAAttention in place (see the module docstring).
 
         ``backend`` is the one the ops resolve to on this layer's device and
-        ``block_size`` the KV cache's (both for compiling the kernel ahead).
+        ``block_size`` the KV cache's (both for compiling the kernel ahead);
+        ``graph_rope``: piecewise-graph steps get op 1 inside the graph.
         """
         # Same condition as forward_impl's choice of the fp8 concat-quant.
         fp8_query = is_quantized_kv_cache(attn.kv_cache_dtype) and attn.impl.supports_quant_query_input
         vllm_forward_mqa = attn.impl.forward_mqa
         assemble_reason = eligibility.decode_pair_reason(attn.impl, fp8_query)
+        # vLLM's own fp8 query concat-quant, for piecewise-graph steps whose op 1 ran in the graph.
+        vllm_concat_quant = attn._decode_concat_quant_fp8_op if fp8_query else None
 
         def forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer):
             if isinstance(q, tuple):
-                q = layer.assemble_decode_query(*q)
+                if not layer._steps.in_graph:
+                    q = layer.assemble_decode_query(*q)
+                elif vllm_concat_quant is not None:
+                    q = vllm_concat_quant(*q, layer._q_scale)
+                # else: q_pe is rotated already; the backend concatenates the pair as without us
             return vllm_forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
 
         def forward_mqa_after_prefill_key(q, kv_c_and_k_pe_cache, attn_metadata, layer):
@@ -170,6 +188,7 @@ class FusedMLAAttention(MLAAttention):
         attn._prefill_key_reasons = set()
         attn._prewarm_block_size = block_size if backend != "torch" and env_enabled(ENV_PREWARM) else None
         attn._decode_assembles_query = assemble_reason is None
+        attn._graph_rope = graph_rope
         attn._bound_ops = BoundOps(backend, validation.debug_enabled())
         if fp8_query:
             attn._decode_concat_quant_fp8_op = _DeferredDecodeQuery()
@@ -223,6 +242,16 @@ class FusedMLAAttention(MLAAttention):
         past ``num_actual_tokens`` are padding (slot -1): vLLM's forward_impl
         never reads them, so they are neither rotated nor written.
         """
+        steps = self._steps
+        if self._graph_rope and in_piecewise_cudagraph():
+            # The graph piece before this op rotated q and k_pe and wrote the cache rows
+            # (custom_ops.piecewise_rope_kv_cache_update): vLLM's own attention step, as is.
+            steps.in_graph = True
+            try:
+                self.forward_impl(q, kv_c_normed, k_pe, kv_cache, attn_metadata, output=output)
+            finally:
+                steps.in_graph = False
+            return
         num_tokens = q.shape[0]
         rope_dim = self.qk_rope_head_dim
         cache, slots, cache_dtype = write_target(
@@ -265,7 +294,6 @@ class FusedMLAAttention(MLAAttention):
                 positions[:num_decode], k_pe[:num_decode], kv_c_normed[:num_decode], slots[:num_decode], cache,
                 cache_dtype, cos_sin_cache, is_neox,
             )  # fmt: skip
-        steps = self._steps
         steps.decode, steps.prefill = step, prefill
         try:
             self.forward_impl(q, kv_c_normed, k_pe, kv_cache, attn_metadata, output=output)

@@ -10,8 +10,11 @@ missing, :func:`incompatibility_reason` says which and vLLM runs unmodified.
 from __future__ import annotations
 
 import importlib
+import logging
 
-from . import SUPPORTED_VLLM, logger
+from .settings import SUPPORTED_VLLM
+
+logger = logging.getLogger("vllm.vllm_mla_fusion")  # the entry point's logger (__init__.py)
 
 # (module, attribute path) pairs the plugin relies on. Instance attributes set
 # in MLAAttention.__init__ (impl, kv_cache_dtype, _k_scale, ...) cannot be
@@ -68,8 +71,9 @@ def incompatibility_reason() -> str | None:
     return None
 
 
-def register_wrapper() -> bool:
-    """Register the fused wrapper with ``PluggableLayer.register_oot``, once.
+def register_wrapper(fused_wrapper: type) -> bool:
+    """Register ``fused_wrapper`` (layer.FusedMultiHeadLatentAttentionWrapper, which the entry
+    point hands over) with ``PluggableLayer.register_oot``, once.
 
     Returns True if the fused wrapper is the registered replacement after the
     call. ``register_oot`` asserts on a duplicate key, so the registry is
@@ -78,10 +82,8 @@ def register_wrapper() -> bool:
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
 
-    from .layer import FusedMultiHeadLatentAttentionWrapper
-
     current = op_registry_oot.get(WRAPPER_KEY)
-    if current is FusedMultiHeadLatentAttentionWrapper:
+    if current is fused_wrapper:
         return True
     if current is not None:
         logger.warning(
@@ -91,6 +93,6 @@ def register_wrapper() -> bool:
             current.__qualname__,
         )
         return False
-    MultiHeadLatentAttentionWrapper.register_oot(FusedMultiHeadLatentAttentionWrapper)
-    logger.debug("vllm-mla-fusion: registered %s for %s", FusedMultiHeadLatentAttentionWrapper.__name__, WRAPPER_KEY)
+    MultiHeadLatentAttentionWrapper.register_oot(fused_wrapper)
+    logger.debug("vllm-mla-fusion: registered %s for %s", fused_wrapper.__name__, WRAPPER_KEY)
     return True

@@ -16,11 +16,17 @@ capture what the op launches.
   decode query assembly runs ``mla_fusion::mla_decode_rope_cache_write``
   (attention.py). Takes ``positions``, which vLLM's attention op has no
   argument for.
+- ``piecewise_rope_kv_cache_update`` (traced into the compiled graph, before
+  the attention op of a decode-mode layer whose RoPE moves into the graph:
+  eligibility.graph_rope_reason): in a forward that captures or replays
+  piecewise CUDA graphs, ``rope_kv_cache_update``'s work, captured with the
+  graph piece; in any other forward nothing (the attention op then does it).
 """
 
 # No `from __future__ import annotations`: infer_schema reads the annotations as types.
 import torch
 from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+from vllm.forward_context import in_piecewise_cudagraph
 from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
 from vllm.platforms import current_platform
@@ -99,6 +105,36 @@ def _rope_kv_cache_update_fake(
     return torch.empty(0, device=kv_c_normed.device, dtype=kv_c_normed.dtype)
 
 
+def piecewise_rope_kv_cache_update(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_c_normed: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    layer_name: LayerNameType,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+) -> None:
+    """``rope_kv_cache_update`` in a piecewise-graph forward, else nothing.
+
+    Its launch is then captured into the graph piece before the attention op (the
+    forward's q and k_pe come rotated to that op, which leaves the rest to vLLM:
+    FusedMLAAttention.forward_fused); in eager and full-graph forwards the attention
+    op assembles everything in one launch. Returns nothing: the attention op takes
+    the q and k_pe this op mutates, which orders the two.
+    """
+    if in_piecewise_cudagraph():
+        rope_kv_cache_update(positions, q, k_pe, kv_c_normed, cos_sin_cache, is_neox, layer_name, kv_cache_dtype,
+                             k_scale)  # fmt: skip
+
+
+def _piecewise_rope_kv_cache_update_fake(
+    positions, q, k_pe, kv_c_normed, cos_sin_cache, is_neox, layer_name, kv_cache_dtype, k_scale
+) -> None:
+    return None
+
+
 # Outermost as in vLLM's attention op: the KV-connector hooks must run eagerly
 # when a breakable CUDA graph is being captured.
 @eager_break_during_capture
@@ -135,6 +171,14 @@ direct_register_custom_op(
     op_func=rope_kv_cache_update,
     mutates_args=["q", "k_pe"],
     fake_impl=_rope_kv_cache_update_fake,
+    target_lib=_LIB,
+    dispatch_key=current_platform.dispatch_key,
+)
+direct_register_custom_op(
+    op_name="piecewise_rope_kv_cache_update",
+    op_func=piecewise_rope_kv_cache_update,
+    mutates_args=["q", "k_pe"],
+    fake_impl=_piecewise_rope_kv_cache_update_fake,
     target_lib=_LIB,
     dispatch_key=current_platform.dispatch_key,
 )

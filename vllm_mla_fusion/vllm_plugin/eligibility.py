@@ -21,7 +21,7 @@ from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import De
 from vllm.v1.attention.backend import MLAAttentionImpl
 
 from .. import dispatch, fp8
-from . import ENV_DECODE, ENV_PREFILL_KEY, env_enabled
+from .settings import ENV_DECODE, ENV_GRAPH_ROPE, ENV_PREFILL_KEY, env_enabled, env_opted_in
 
 # RotaryEmbedding subclasses that differ from it only in how cos_sin_cache is
 # filled (YaRN, Llama3, NTK, linear scaling, ...) rotate exactly like it; a
@@ -120,6 +120,25 @@ def decode_reason(attn: MLAAttention, vllm_config: VllmConfig) -> str | None:
         return "the attention backend has no forward_mqa"
     if not isinstance(getattr(attn, "_decode_concat_quant_fp8_op", None), torch.nn.Module):
         return "MLAAttention has no decode concat-quant module"
+    return None
+
+
+def graph_rope_reason(vllm_config: VllmConfig) -> str | None:
+    """Why a decode-mode layer keeps its RoPE + cache write in the attention op in piecewise-graph
+    steps too, or None: then those steps run op 1 inside the compiled graph, captured with it.
+
+    Piecewise CUDA graphs replay everything between their splitting ops and run those eagerly:
+    vLLM 0.33's RoPE sits inside the graph, its cache write (``unified_mla_kv_cache_update``, a
+    splitting op by default) and the decode mode's fused op outside, costing host time every such
+    step. Inside the graph the fused op costs none there, but the op standing in the graph costs
+    a dispatch in every step that runs without graphs. Opt-in until that trade is measured on a
+    GPU (``VLLM_MLA_FUSION_GRAPH_ROPE=1``); useless without piecewise graphs.
+    """
+    if not env_opted_in(ENV_GRAPH_ROPE):
+        return f"{ENV_GRAPH_ROPE} is not set"
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if mode is None or not mode.has_piecewise_cudagraphs():
+        return f"CUDA-graph mode {mode} replays no piecewise graphs"
     return None
 
 

@@ -140,7 +140,15 @@ class FusedMultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         splitting = vllm_config.compilation_config.splitting_ops
         if splitting is not None and VLLM_ATTENTION_OP in splitting and custom_ops.ATTENTION_OP not in splitting:
             splitting.append(custom_ops.ATTENTION_OP)
-        FusedMLAAttention.promote(self.mla_attn, backend, vllm_config.cache_config.block_size)
+        graph_rope_reason = eligibility.graph_rope_reason(vllm_config)
+        FusedMLAAttention.promote(self.mla_attn, backend, vllm_config.cache_config.block_size,
+                                  graph_rope=graph_rope_reason is None)  # fmt: skip
+        if graph_rope_reason is None:
+            # The graph op finds the layer's op 1 where rope_cache-mode layers keep theirs.
+            setattr(self.mla_attn, custom_ops.ROPE_CACHE_OPS_ATTR, self.mla_attn._bound_ops)
+        else:
+            logger.debug("vllm-mla-fusion: %s keeps its RoPE in the attention op in piecewise-graph steps: %s",
+                         self.prefix, graph_rope_reason)  # fmt: skip
         self.fusion_mode = MODE_DECODE
 
     def _project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -188,6 +196,13 @@ class FusedMultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         layer_name = _encode_layer_name(self.mla_attn.layer_name)
         output = torch.empty((hidden_states.shape[0], self.num_heads * self.v_head_dim), dtype=q.dtype, device=q.device)
         if self.fusion_mode == MODE_DECODE:
+            attn = self.mla_attn
+            if attn._graph_rope:
+                # Inside the graph piece: does the RoPE + cache write in piecewise-graph forwards only.
+                torch.ops.mla_fusion_vllm.piecewise_rope_kv_cache_update(
+                    positions, q, k_pe, kv_c_normed, rope.cos_sin_cache, rope.is_neox_style, layer_name,
+                    attn.kv_cache_dtype, attn._k_scale,
+                )  # fmt: skip
             torch.ops.mla_fusion_vllm.mla_attention_with_output(
                 q, kv_c_normed, k_pe, positions, rope.cos_sin_cache, rope.is_neox_style, output, layer_name
             )
