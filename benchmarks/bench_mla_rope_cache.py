@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark the fused MLA RoPE + KV-cache write against its peers and the hardware floor.
 
-One command, four sections (docs/performance.md explains every column):
+One command, four sections (docs/performance-history.md explains every column):
 
 - ``sweep``: op 1 (``prefill``: q_pe/k_pe rotated in place + cache write) and
   op 2 (``decode``: query ``[ql_nope | rope(q_pe)]`` + cache write) over
@@ -32,7 +32,7 @@ Usage::
     python benchmarks/bench_mla_rope_cache.py --smoke --out /tmp/smoke          # CPU, Triton interpreter, tiny shapes
 
 Writes ``bench_mla_rope_cache.json``, ``bench_mla_rope_cache.md`` (tables for
-docs/performance.md) and, when matplotlib is installed, ``bench_mla_rope_cache.png``
+docs/performance-history.md) and, when matplotlib is installed, ``bench_mla_rope_cache.png``
 and ``bench_decode_layer.png`` under ``--out``.
 """
 

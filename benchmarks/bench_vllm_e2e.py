@@ -793,7 +793,7 @@ def host_at_equal_speed(on: list, off: list, length: str) -> dict:
     """The TTFT requests' host time per prefill step, on and off, at equal host speed.
 
     The lent machines' host runs the same Python at speeds up to ~2.6x apart from one request
-    to the next (docs/performance.md). ``common`` (vLLM's own forward_mha code, identical on
+    to the next (docs/performance-history.md). ``common`` (vLLM's own forward_mha code, identical on
     both sides) measures each request's speed: factor = common / the off side's median common;
     every part of the request divided by its factor is its time at the off side's median speed.
     Per side: the factors' range and the medians of the normalized parts (ms)."""

@@ -2,7 +2,7 @@
 """Issue 13's targets judged over several end-to-end runs at once.
 
 One run of ``bench_vllm_e2e.py`` has 1-3 engines per side, and the lent machines' host
-speed differs from one engine process to the next by up to ~2x (docs/performance.md,
+speed differs from one engine process to the next by up to ~2x (docs/performance-history.md,
 "Where the TTFT goes"), so a host-bound figure such as the 1k TTFT cannot be judged from
 one run. This script reads the JSON of several runs and reports, per KV-cache dtype:
 

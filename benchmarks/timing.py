@@ -1,6 +1,6 @@
 """Timing primitives for the benchmarks: CUDA-graph replay, eager event timing, machine ceilings.
 
-Conventions (docs/performance.md):
+Conventions (docs/performance-history.md, "Method"):
 
 - A kernel is timed as a CUDA graph holding ``n_calls`` back-to-back calls,
   each call on the next of several input sets (the caller rotates them so

@@ -2,7 +2,7 @@
 """Coordinate search over the Triton kernel's launch configuration, per shape class.
 
 Not part of the regular benchmark: it informs the heuristic in
-``vllm_mla_fusion/backends/triton.py::_launch_config`` (docs/performance.md
+``vllm_mla_fusion/backends/triton.py::_launch_config`` (docs/performance-history.md
 records what it found). For each shape it starts from the current heuristic and
 varies one knob at a time (rows per query program, tokens per cache program,
 warps, programmatic dependent launch), timing each variant as a CUDA graph of

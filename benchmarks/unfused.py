@@ -1,6 +1,6 @@
 """The unfused chain vLLM runs without the fusion, as separate Triton kernels.
 
-What vLLM 0.33 runs per MLA layer when nothing is fused (docs/performance.md):
+What vLLM 0.33 runs per MLA layer when nothing is fused (docs/performance-history.md, "What is measured"):
 
 1. ``rotary_embedding``: RoPE on ``q_pe`` ``[T, H, R]`` and ``k_pe`` ``[T, R]``
    in place (one launch; vLLM's CUDA kernel takes one token per block);

@@ -554,7 +554,7 @@ def host_speed_probe(worker) -> dict:
     vLLM's or the plugin's runs: a pure-Python loop and torch's CPU dispatch (slicing a small CPU
     tensor). Median of 5 rounds, in us per 1000 loop iterations and per slice. It tells "this
     process runs all Python slower" apart from "the plugin's code costs more": only the first
-    moves it (docs/performance.md, "Where the TTFT goes"). ~10 ms a call."""
+    moves it (docs/performance-history.md, "Where the TTFT goes"). ~10 ms a call."""
     import torch
 
     def python_round() -> float:

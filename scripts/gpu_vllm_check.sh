@@ -164,7 +164,7 @@ for stage in $stages; do
   install) stage_install || { status=1; summary+=("install: FAILED"); break; } ;;
   env) stage_env || status=1 ;;
   tests) stage_tests || status=1 ;;
-  # --host-regions: TTFT judged at equal host speed too (docs/performance.md, "Where the TTFT
+  # --host-regions: TTFT judged at equal host speed too (docs/performance-history.md, "Where the TTFT
   # goes"); its timers run only where Python runs, never inside a CUDA-graph decode step.
   e2e1) stage_e2e part1 --kv-cache-dtypes auto --runs 2 --host-regions || status=1 ;;
   e2e2) stage_e2e part2 --kv-cache-dtypes fp8 --runs "${E2E_RUNS:-2}" --extra-pairs auto --host-regions || status=1 ;;

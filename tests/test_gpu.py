@@ -457,3 +457,40 @@ def test_torch_compile_with_cuda_graphs():
         for a, b in zip(eager_args, compiled_args):  # q rotated in place, the cache, q_out and k_out written
             assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a, b.view(torch.uint8)
                                if b.dtype.itemsize == 1 else b)  # fmt: skip
+
+
+@pytest.mark.parametrize("op", ["rope_cache", "decode", "prefill", "prefill-mixed"])
+def test_bound_ops_never_synchronize_with_the_gpu(op):
+    """What a fused vLLM layer calls per step (binding.BoundOp, then the public op) makes no call
+    that waits for the GPU: under torch's sync debug mode "error" any synchronizing CUDA call
+    (a .item(), a host copy, a nonzero) raises. First calls of a layout (validation, Triton's
+    compile) are included; every result is then checked against the reference."""
+    from vllm_mla_fusion.binding import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE, BoundOp
+
+    kind = dict(decode=op == "decode", prefill=op.startswith("prefill"), nope_dim=128)
+    code = {"rope_cache": OP_ROPE_CACHE, "decode": OP_DECODE}.get(op, OP_PREFILL)
+    bound = BoundOp(code, is_neox=False, backend="triton")
+    cases = []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step, T in enumerate((1, 7, 64, 300, 7)):
+            s = T // 3 if op == "prefill-mixed" else 0
+            torch.cuda.set_sync_debug_mode(0)  # building the case copies from the host
+            case = make_case(T=T, H=16, block_size=16, device="cuda", seed=2000 + step, key_start=s, **kind, **DSV3)
+            torch.cuda.set_sync_debug_mode("error")
+            base = (case.positions, case.q_pe, case.k_pe, case.kv_c, case.cos_sin_cache, case.slot_mapping,
+                    case.kv_cache, case.kv_cache_scale)  # fmt: skip
+            if code == OP_DECODE:
+                bound(*base, case.ql_nope, case.q_out, case.q_scale)
+            elif code == OP_PREFILL:
+                bound(*base, case.k_nope, case.k_out, None, s)
+            else:
+                bound(*base)
+            cases.append(case)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    check = {OP_ROPE_CACHE: check_rope_cache_write, OP_DECODE: check_decode_rope_cache_write,
+             OP_PREFILL: check_prefill_rope_cache_write}[code]  # fmt: skip
+    for case in cases:
+        check(case)

@@ -9,7 +9,7 @@ in-process engine (``--inproc``): vLLM's CPU platform spawns the engine core and
 worker process per engine, several minutes on a small CI machine. The
 multiprocessing path itself (engine core started per engine, callables pickled into
 it, plugin switched through the environment in the spawned processes) was checked by
-running the smoke without ``--inproc``; docs/performance.md says so.
+running the smoke without ``--inproc``; docs/performance-history.md says so.
 """
 
 from __future__ import annotations

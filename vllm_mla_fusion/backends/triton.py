@@ -525,7 +525,7 @@ def _launch_config_for(p: Problem, op: int, sms: int, pdl: bool) -> dict:
     BLOCK_N = min(_pow2(max(nope, 1)), 512)
     row_elems = nope + R
     rows = p.num_tokens * H
-    # Measured on an H200 (benchmarks/tune_launch.py, docs/performance.md): ~4K-element
+    # Measured on an H200 (benchmarks/tune_launch.py, docs/performance-history.md): ~4K-element
     # tiles, except op 1 with few heads, where 2K-element tiles (32 rows of 64) won by ~12%.
     # Op 3 moves two row widths per row (q_pe and the key): 4K-element tiles cost 168
     # registers a thread (3 programs per SM); 2K-element ones 96.
@@ -695,7 +695,7 @@ class BoundLaunch:
                 *plan.values)  # fmt: skip
         if _no_launch_hooks():
             # The compiled kernel's launcher, called as Triton's own launch path calls it; with no
-            # launch hook there is no launch metadata to build (docs/performance.md, "Host path").
+            # launch hook there is no launch metadata to build (docs/performance-history.md, "Host path").
             launcher(plan.grid, 1, 1, stream, function, packed_metadata, None, None, None, *args)
         else:
             kernel[(plan.grid, 1, 1)](*args, stream=stream)  # builds the metadata, calls the hooks

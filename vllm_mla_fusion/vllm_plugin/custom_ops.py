@@ -24,6 +24,8 @@ capture what the op launches.
 """
 
 # No `from __future__ import annotations`: infer_schema reads the annotations as types.
+import inspect
+
 import torch
 from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 from vllm.forward_context import in_piecewise_cudagraph
@@ -105,18 +107,8 @@ def _rope_kv_cache_update_fake(
     return torch.empty(0, device=kv_c_normed.device, dtype=kv_c_normed.dtype)
 
 
-def piecewise_rope_kv_cache_update(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_c_normed: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool,
-    layer_name: LayerNameType,
-    kv_cache_dtype: str,
-    k_scale: torch.Tensor,
-) -> None:
-    """``rope_kv_cache_update`` in a piecewise-graph forward, else nothing.
+def piecewise_rope_kv_cache_update(*args) -> None:
+    """``rope_kv_cache_update`` (same arguments) in a piecewise-graph forward, else nothing.
 
     Its launch is then captured into the graph piece before the attention op (the
     forward's q and k_pe come rotated to that op, which leaves the rest to vLLM:
@@ -125,13 +117,16 @@ def piecewise_rope_kv_cache_update(
     the q and k_pe this op mutates, which orders the two.
     """
     if in_piecewise_cudagraph():
-        rope_kv_cache_update(positions, q, k_pe, kv_c_normed, cos_sin_cache, is_neox, layer_name, kv_cache_dtype,
-                             k_scale)  # fmt: skip
+        rope_kv_cache_update(*args)
 
 
-def _piecewise_rope_kv_cache_update_fake(
-    positions, q, k_pe, kv_c_normed, cos_sin_cache, is_neox, layer_name, kv_cache_dtype, k_scale
-) -> None:
+# The schema is inferred from the signature: rope_kv_cache_update's parameters, no result.
+piecewise_rope_kv_cache_update.__signature__ = inspect.signature(rope_kv_cache_update).replace(
+    return_annotation=None
+)
+
+
+def _piecewise_rope_kv_cache_update_fake(*args) -> None:
     return None
 
 
