@@ -161,27 +161,13 @@ def _mla_attention_with_output_fake(
     return None
 
 
-direct_register_custom_op(
-    op_name="rope_kv_cache_update",
-    op_func=rope_kv_cache_update,
-    mutates_args=["q", "k_pe"],
-    fake_impl=_rope_kv_cache_update_fake,
-    target_lib=_LIB,
-    dispatch_key=current_platform.dispatch_key,
-)
-direct_register_custom_op(
-    op_name="piecewise_rope_kv_cache_update",
-    op_func=piecewise_rope_kv_cache_update,
-    mutates_args=["q", "k_pe"],
-    fake_impl=_piecewise_rope_kv_cache_update_fake,
-    target_lib=_LIB,
-    dispatch_key=current_platform.dispatch_key,
-)
-direct_register_custom_op(
-    op_name="mla_attention_with_output",
-    op_func=mla_attention_with_output,
-    mutates_args=["q", "k_pe", "output"],
-    fake_impl=_mla_attention_with_output_fake,
-    target_lib=_LIB,
-    dispatch_key=current_platform.dispatch_key,
-)
+# (op, its Python body, the arguments it writes, its fake)
+_OPS = (
+    ("rope_kv_cache_update", rope_kv_cache_update, ["q", "k_pe"], _rope_kv_cache_update_fake),
+    ("piecewise_rope_kv_cache_update", piecewise_rope_kv_cache_update, ["q", "k_pe"],
+     _piecewise_rope_kv_cache_update_fake),
+    ("mla_attention_with_output", mla_attention_with_output, ["q", "k_pe", "output"], _mla_attention_with_output_fake),
+)  # fmt: skip
+for _name, _body, _mutates, _fake in _OPS:
+    direct_register_custom_op(op_name=_name, op_func=_body, mutates_args=_mutates, fake_impl=_fake, target_lib=_LIB,
+                              dispatch_key=current_platform.dispatch_key)  # fmt: skip
