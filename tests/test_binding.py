@@ -201,12 +201,15 @@ def test_a_bad_key_start_after_a_good_call_still_fails_before_writing(bad):
 
 
 @pytest.mark.parametrize("op", [OP_ROPE_CACHE, OP_DECODE])
-def test_key_start_belongs_to_the_prefill_op_only(op):
+@pytest.mark.parametrize("key_start", [1, 0.0, False])
+def test_key_start_belongs_to_the_prefill_op_only(op, key_start):
+    """Anything but the int 0 on ops 1 and 2 is refused, also on a layout already validated (a
+    float 0.0 would otherwise reach the launcher as a float)."""
     bound = BoundOp(op, is_neox=False, backend="torch")
     c = make_case(T=4, H=2, strided=False, decode=op == OP_DECODE, seed=70)
     args = _decode_args(c) if op == OP_DECODE else (*_rope_args(c), None, None, None)
     bound(*args)  # a layout validated with key_start 0
     before = c.kv_cache.clone()
     with pytest.raises(ValueError, match="key_start applies to mla_prefill_rope_cache_write only"):
-        bound(*args, 1)
+        bound(*args, key_start)
     assert torch.equal(c.kv_cache, before)

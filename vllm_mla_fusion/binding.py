@@ -111,7 +111,7 @@ class BoundOp:
         rows_agree = entry is not None and (
             k_pe.shape[0] == T and kv_c.shape[0] == T and positions.shape[0] >= T and slot_mapping.shape[0] >= T
             and (out is None or (nope.shape[0] == key_rows and out.shape[0] == key_rows))
-            and (key_start == 0 or (self.op == OP_PREFILL and 0 < key_start <= T))
+            and type(key_start) is int and (key_start == 0 or (self.op == OP_PREFILL and 0 < key_start <= T))
         )  # fmt: skip
         if not rows_agree:
             entry = self._bind(args, key_start)

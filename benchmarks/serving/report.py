@@ -53,9 +53,12 @@ def comparison_pairs(sides: list[str]) -> list[tuple[str, str]]:
     baseline (``on@PATH``); each switch variant (``on+NAME=VALUE``) against ``on``."""
     reference = "off" if "off" in sides else sides[0]
     pairs = [(s, reference) for s in sides if s != reference]
-    if "on" in sides and reference != "on":
-        pairs += [("on", s) for s in sides if s.startswith("on@")]
-        pairs += [(s, "on") for s in sides if s.startswith("on+")]
+    for s in sides:
+        base = s.split("+")[0]
+        if base != s and base in sides and base != reference:
+            pairs.append((s, base))  # a switch variant against its own plugin side
+        elif s.startswith("on@") and base == s and "on" in sides and reference != "on":
+            pairs.append(("on", s))  # this checkout against a baseline
     return pairs
 
 

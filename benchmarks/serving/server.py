@@ -71,7 +71,8 @@ def confirm_side(side: Side, log: str, ranks: int = 1) -> dict:
         wrong = [f for f in fused if side.expected_mode and f["mode"] != side.expected_mode]
         if wrong:
             raise ServerFailed(f"side {side.name}: its switches ask for mode {side.expected_mode}, the plugin's "
-                               f"line says {wrong[0]['mode']}: the switch did not reach the server")  # fmt: skip
+                               f"line says {wrong[0]['mode']}: the switch did not take effect (not set in the "
+                               "server, or not eligible there: the layers say why at debug level)")  # fmt: skip
         if ranks > 1:
             facts["fused_by_rank"] = _every_rank_fused(side, fused, ranks)
     elif fused:

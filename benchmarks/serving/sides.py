@@ -25,10 +25,15 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-ENV_ENABLE = "VLLM_MLA_FUSION"  # vllm_mla_fusion.vllm_plugin.ENV_ENABLE (not imported: the driver stays vLLM-free)
-ENV_DECODE = "VLLM_MLA_FUSION_DECODE"  # its ENV_DECODE: off means every layer in rope_cache mode
+ENV_ENABLE = "VLLM_MLA_FUSION"  # vllm_mla_fusion.vllm_plugin.settings.ENV_ENABLE (not imported: the driver imports no torch)
+ENV_DECODE = "VLLM_MLA_FUSION_DECODE"  # off: every layer in rope_cache mode
+ENV_GRAPH_ROPE = "VLLM_MLA_FUSION_GRAPH_ROPE"  # on: decode mode logs itself as decode-graph-rope
+# The plugin's switches other than ENV_ENABLE (settings.ENVIRONMENT_VARIABLES; a test keeps them equal).
+SWITCHES = ("VLLM_MLA_FUSION_DECODE", "VLLM_MLA_FUSION_PREFILL_KEY", "VLLM_MLA_FUSION_PREWARM", ENV_GRAPH_ROPE,
+            "VLLM_MLA_FUSION_BACKEND", "VLLM_MLA_FUSION_DEBUG", "VLLM_MLA_FUSION_PDL", "VLLM_MLA_FUSION_AITER_FP8")  # fmt: skip
 PACKAGE = "vllm_mla_fusion"
-OFF_VALUES = ("0", "false", "no", "off")  # vllm_plugin.env_enabled's
+OFF_VALUES = ("0", "false", "no", "off")  # settings.env_enabled's
+ON_VALUES = ("1", "true", "yes", "on")  # settings.env_opted_in's
 
 
 @dataclass(frozen=True)
@@ -53,13 +58,18 @@ class Side:
 
     @property
     def expected_mode(self) -> str | None:
-        """The fusion mode the plugin's line must name, where this side's switches decide it."""
-        decode = dict(self.env).get(ENV_DECODE)
-        return "rope_cache" if decode is not None and decode.strip().lower() in OFF_VALUES else None
+        """The fusion mode the plugin's line must name where this side's switches decide it (None:
+        the plugin chooses, e.g. rope_cache where the decode mode is not eligible)."""
+        env = {k: v.strip().lower() for k, v in self.env}
+        if env.get(ENV_DECODE) in OFF_VALUES:
+            return "rope_cache"
+        return "decode-graph-rope" if env.get(ENV_GRAPH_ROPE) in ON_VALUES else None
 
     def server_env(self, base: dict[str, str]) -> dict[str, str]:
-        """``base`` with this side's switches and, for ``on@PATH``, PATH first on PYTHONPATH."""
-        env = dict(base)
+        """``base`` with this side's switches and, for ``on@PATH``, PATH first on PYTHONPATH. The
+        plugin's switches set in ``base`` (the driver's own environment) are dropped: a side is
+        what its name says, whatever the shell exported."""
+        env = {k: v for k, v in base.items() if k not in SWITCHES}
         env[ENV_ENABLE] = "1" if self.plugin else "0"
         env.update(self.env)
         if self.checkout is not None:
@@ -68,15 +78,15 @@ class Side:
 
 
 def parse_side(text: str) -> Side:
-    """``off``, ``on``, ``on@PATH`` (PATH must hold the package), either plugin side followed by
-    ``+NAME=VALUE`` switches (NAME one of the plugin's variables, e.g. ``VLLM_MLA_FUSION_DECODE``, other
+    """``off``, ``on``, ``on@PATH`` (PATH must hold the package and contain no ``+``), either plugin
+    side followed by ``+NAME=VALUE`` switches (NAME one of ``SWITCHES``, the plugin's variables other
     than the on/off switch ``VLLM_MLA_FUSION`` itself); ValueError otherwise."""
     base, *assignments = text.split("+")
     env = []
     for a in assignments:
         name, sep, value = a.partition("=")
-        if not sep or not name.startswith(ENV_ENABLE + "_") or not value:
-            raise ValueError(f"side {text!r}: a switch is +{ENV_ENABLE}_<NAME>=<VALUE>, not {a!r}")
+        if not sep or name not in SWITCHES or not value:
+            raise ValueError(f"side {text!r}: a switch is +NAME=VALUE with NAME one of {SWITCHES}, not {a!r}")
         env.append((name, value))
     if len({name for name, _ in env}) != len(env):
         raise ValueError(f"side {text!r} sets a switch twice")

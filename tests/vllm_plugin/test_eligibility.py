@@ -236,6 +236,20 @@ def test_every_rank_logs_its_backend_and_mode(vllm_cpu, plugin_on, as_rank_3, ca
     lines = [r.getMessage() for r in caplog.records if "use the fused RoPE" in r.getMessage()]
     assert lines == ["vllm-mla-fusion (rank 3, local rank 3): MLA layers use the fused RoPE + KV-cache write "
                      "(backend torch, mode decode)"], lines  # fmt: skip
+def test_the_info_line_says_when_the_rope_moves_into_piecewise_graphs(vllm_cpu, plugin_on, monkeypatch, caplog):
+    """VLLM_MLA_FUSION_GRAPH_ROPE=1 shows in the mode the line names, so a log (and the serving
+    benchmark's side check) tells whether the switch took effect."""
+    from vllm.config import CUDAGraphMode
+
+    monkeypatch.setenv("VLLM_MLA_FUSION_GRAPH_ROPE", "1")
+    monkeypatch.setattr(vllm_cpu.config.compilation_config, "cudagraph_mode", CUDAGraphMode.FULL_AND_PIECEWISE)
+    with caplog.at_level(logging.INFO, logger=PLUGIN_LOGGER):
+        attn = vllm_cpu.build_attention()
+    assert attn.mla_attn.fusion_mode == "decode" and attn.mla_attn.mla_attn._graph_rope
+    lines = [r.getMessage() for r in caplog.records if "use the fused RoPE" in r.getMessage()]
+    assert any(line.endswith("(backend torch, mode decode-graph-rope)") for line in lines), lines
+
+
 def test_decode_pair_backends_are_recognised_by_name_and_subclass():
     """FLASH_ATTN_MLA and CUTLASS_MLA (and subclasses, e.g. XPU's) take (ql_nope, q_pe) as it is: op 1
     for the decode rows; every other backend, and any fp8 query, gets op 2's assembled query."""

@@ -394,3 +394,30 @@ def test_decode_attention_before_the_prefill_key_fails_loudly(vllm_cpu, layer_pa
     with pytest.raises(RuntimeError, match="decode attention ran before forward_mha built the prefill key"):
         attn.impl.forward_mqa(None, None, None, attn)
     attn._steps.prefill = None
+
+
+@pytest.mark.parametrize("layer_pair", [LAYOUTS[4]], ids=[LAYOUT_IDS[4]], indirect=True)
+def test_an_unexpected_prefill_key_input_writes_nothing_it_cannot_account_for(vllm_cpu, layer_pair):
+    """The prefill key's fallback (a key input this step was not prepared for) rotates and caches
+    the step's rows itself; when even vLLM's k_pe has other rows than the step's prefill tokens,
+    it raises before writing anything."""
+    from vllm_mla_fusion.vllm_plugin.attention import _PrefillStep
+
+    _, on = layer_pair
+    attn = on.mla_attn.mla_attn
+    rows, s, heads = 6, 2, attn.num_heads
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn((rows, heads, 192), generator=g).to(H.DTYPE)
+    kv = torch.randn((rows, L + R), generator=g).to(H.DTYPE)
+    before = (attn.kv_cache.clone(), q.clone(), kv.clone())
+    attn._steps.prefill = _PrefillStep(torch.arange(rows), q[..., 128:], kv[:, L:].unsqueeze(1), kv[:, :L],
+                                       torch.arange(rows), attn.kv_cache, "auto", on.mla_attn.rotary_emb.cos_sin_cache,
+                                       False, s)  # fmt: skip
+    k_nope = torch.zeros((rows - s, heads + 1, 128), dtype=H.DTYPE)  # another head count: the fallback
+    try:
+        with pytest.raises(RuntimeError, match="built a key from 3 rows of k_pe for 4 prefill tokens"):
+            attn.assemble_prefill_key(k_nope, kv[:3, L:].unsqueeze(1), lambda *a: None)
+    finally:
+        attn._steps.prefill = None
+    for got, want in zip((attn.kv_cache, q, kv), before, strict=True):
+        assert torch.equal(got, want)

@@ -337,6 +337,13 @@ class FusedMLAAttention(MLAAttention):
             )  # fmt: skip
             op1 = self._bound_ops.get(OP_ROPE_CACHE, step.kv_cache_dtype, step.is_neox)
             s = step.key_start
+            if k_pe.shape[0] != num_keys:
+                # Not even vLLM's k_pe has the step's prefill rows: nothing here is safe to write.
+                raise RuntimeError(
+                    f"vllm-mla-fusion: {self.layer_name}'s forward_mha built a key from {k_pe.shape[0]} rows of "
+                    f"k_pe for {num_keys} prefill tokens; set VLLM_MLA_FUSION_PREFILL_KEY=0 and report this vLLM "
+                    "configuration"
+                )  # fmt: skip
             if s:  # the decode rows this launch was to serve
                 op1(step.positions[:s], step.q_pe[:s], step.k_pe[:s], step.kv_c[:s], step.cos_sin_cache,
                     step.slot_mapping[:s], step.kv_cache, self._k_scale)  # fmt: skip

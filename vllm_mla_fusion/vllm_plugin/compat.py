@@ -31,6 +31,7 @@ REQUIRED_ATTRIBUTES: tuple[tuple[str, str], ...] = (
     ("vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope", "DeepseekScalingRotaryEmbedding"),
     ("vllm.v1.attention.backend", "MLAAttentionImpl.do_kv_cache_update"),
     ("vllm.compilation.breakable_cudagraph", "eager_break_during_capture"),
+    ("vllm.forward_context", "in_piecewise_cudagraph"),
     ("vllm.utils.torch_utils", "direct_register_custom_op"),
     ("vllm.utils.torch_utils", "_encode_layer_name"),
     ("vllm.utils.torch_utils", "_resolve_layer_name"),

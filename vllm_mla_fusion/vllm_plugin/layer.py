@@ -115,11 +115,12 @@ class FusedMultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
             )
             logger.debug("vllm-mla-fusion: setup failure in %s", self.prefix, exc_info=True)
             return
+        graph_rope = self.fusion_mode == MODE_DECODE and self.mla_attn._graph_rope
         logger.info_once(
             "vllm-mla-fusion (%s): MLA layers use the fused RoPE + KV-cache write (backend %s, mode %s)",
             rank_label(),
             backend,
-            self.fusion_mode,
+            self.fusion_mode + ("-graph-rope" if graph_rope else ""),  # VLLM_MLA_FUSION_GRAPH_ROPE took effect
             scope="process",  # one line per rank, so ranks that chose differently are visible
         )
 

@@ -57,9 +57,13 @@ def test_a_baseline_checkout_is_compared_with_off_and_with_on():
     assert report.comparison_pairs(["on", "on@/b"]) == [("on@/b", "on")]  # no off: against the first side, once
 
 
-def test_a_switch_variant_is_compared_with_off_and_with_on():
+def test_a_switch_variant_is_compared_with_off_and_with_its_own_plugin_side():
     assert report.comparison_pairs(["on", "off", "on+VLLM_MLA_FUSION_DECODE=0"]) == [
         ("on", "off"), ("on+VLLM_MLA_FUSION_DECODE=0", "off"), ("on+VLLM_MLA_FUSION_DECODE=0", "on")]
+    # A baseline's variant against that baseline, not as a baseline of its own.
+    assert report.comparison_pairs(["on", "off", "on@/b", "on@/b+VLLM_MLA_FUSION_PDL=0"]) == [
+        ("on", "off"), ("on@/b", "off"), ("on@/b+VLLM_MLA_FUSION_PDL=0", "off"), ("on", "on@/b"),
+        ("on@/b+VLLM_MLA_FUSION_PDL=0", "on@/b")]
 
 
 def test_a_shorter_model_scales_latency_deltas_to_61_layers(write_results):

@@ -52,6 +52,10 @@ def test_a_switch_side_needs_the_mode_it_asks_for():
     with pytest.raises(ServerFailed, match="ask for mode rope_cache, the plugin's line says decode"):
         confirm_side(side, LINE)
     assert confirm_side(parse_side("on+VLLM_MLA_FUSION_PDL=0"), LINE)  # a switch that leaves the mode alone
+    graph = parse_side("on+VLLM_MLA_FUSION_GRAPH_ROPE=1")
+    assert confirm_side(graph, LINE.replace("mode decode", "mode decode-graph-rope"))
+    with pytest.raises(ServerFailed, match="did not take effect"):
+        confirm_side(graph, LINE)  # set but not eligible there, or not passed on
 
 
 def test_off_must_not_have_the_line():

@@ -81,6 +81,7 @@ def test_a_plugin_side_with_switches(old_checkout):
     assert side.plugin and side.checkout is None and side.env == (("VLLM_MLA_FUSION_DECODE", "0"),)
     assert side.name == "on+VLLM_MLA_FUSION_DECODE=0" and side.slug == "on-DECODE_0"
     assert side.expected_mode == "rope_cache" and parse_side("on").expected_mode is None
+    assert parse_side("on+VLLM_MLA_FUSION_GRAPH_ROPE=1").expected_mode == "decode-graph-rope"
     env = side.server_env({"VLLM_MLA_FUSION_DECODE": "1", "OTHER": "x"})
     assert env == {"VLLM_MLA_FUSION": "1", "VLLM_MLA_FUSION_DECODE": "0", "OTHER": "x"}
     two = parse_side("on+VLLM_MLA_FUSION_PREFILL_KEY=0+VLLM_MLA_FUSION_PDL=0")
@@ -96,7 +97,26 @@ def test_a_plugin_side_with_switches(old_checkout):
 
 @pytest.mark.parametrize("text", ["off+VLLM_MLA_FUSION_DECODE=0", "on+DECODE=0", "on+VLLM_MLA_FUSION_DECODE",
                                   "on+VLLM_MLA_FUSION_DECODE=", "on+VLLM_MLA_FUSION_DECODE=0+VLLM_MLA_FUSION_DECODE=1",
-                                  "on+VLLM_ATTENTION_BACKEND=TRITON_MLA"])  # fmt: skip
+                                  "on+VLLM_ATTENTION_BACKEND=TRITON_MLA", "on+VLLM_MLA_FUSION_GRAPH_ROEP=1",
+                                  "on+VLLM_MLA_FUSION_PREFILL=KEY_0", "on+VLLM_MLA_FUSION=0"])  # fmt: skip
 def test_bad_switches_are_refused(text):
+    """Malformed, doubled and unknown switches (a typo would otherwise run as plain ``on``)."""
     with pytest.raises(ValueError):
         parse_side(text)
+
+
+def test_the_shells_switches_do_not_reach_a_side_that_does_not_name_them():
+    base = {"VLLM_MLA_FUSION_DECODE": "0", "VLLM_MLA_FUSION_GRAPH_ROPE": "1", "VLLM_MLA_FUSION_ENV": "/env", "X": "y"}
+    on = parse_side("on").server_env(base)
+    assert "VLLM_MLA_FUSION_DECODE" not in on and "VLLM_MLA_FUSION_GRAPH_ROPE" not in on
+    assert on["VLLM_MLA_FUSION_ENV"] == "/env" and on["X"] == "y"  # locations and the rest stay
+    assert parse_side("on+VLLM_MLA_FUSION_DECODE=0").server_env(base)["VLLM_MLA_FUSION_DECODE"] == "0"
+
+
+def test_the_switch_list_is_the_plugins():
+    from vllm_mla_fusion.vllm_plugin import settings
+
+    from benchmarks.serving import sides
+
+    assert set(sides.SWITCHES) == set(settings.ENVIRONMENT_VARIABLES) - {settings.ENV_ENABLE}
+    assert sides.ENV_ENABLE == settings.ENV_ENABLE
