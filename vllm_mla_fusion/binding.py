@@ -77,8 +77,9 @@ class BoundOp:
 
     ``op``: OP_ROPE_CACHE, OP_DECODE (``nope``/``out``/``out_scale`` are ql_nope, q_out,
     q_scale) or OP_PREFILL (k_nope, k_out; their rows are the key of tokens ``key_start ..
-    T - 1``, the tokens before getting op 1's work: a mixed batch in one launch). ``backend``: "torch", "triton", "aiter" or
-    "auto" (by device, dispatch.resolve), fixed here: no environment is read per call.
+    T - 1``, the tokens before getting op 1's work: a mixed batch in one launch).
+    ``backend``: "torch", "triton", "aiter" or "auto" (by device, dispatch.resolve), fixed
+    here: no environment is read per call.
     ``debug``: also check index values on the host each call (validation.py).
     """
 
@@ -107,11 +108,10 @@ class BoundOp:
         except AttributeError:  # not a tensor somewhere: validation names it
             entry = None
         T = q_pe.shape[0] if entry is not None else -1
-        key_rows = T - key_start if type(key_start) is int else -1
-        rows_agree = entry is not None and (
+        rows_agree = entry is not None and type(key_start) is int and (
             k_pe.shape[0] == T and kv_c.shape[0] == T and positions.shape[0] >= T and slot_mapping.shape[0] >= T
-            and (out is None or (nope.shape[0] == key_rows and out.shape[0] == key_rows))
-            and type(key_start) is int and (key_start == 0 or (self.op == OP_PREFILL and 0 < key_start <= T))
+            and (out is None or (nope.shape[0] == T - key_start and out.shape[0] == T - key_start))
+            and (key_start == 0 or (self.op == OP_PREFILL and 0 < key_start <= T))
         )  # fmt: skip
         if not rows_agree:
             entry = self._bind(args, key_start)

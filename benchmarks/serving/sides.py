@@ -29,7 +29,7 @@ ENV_ENABLE = "VLLM_MLA_FUSION"  # vllm_mla_fusion.vllm_plugin.settings.ENV_ENABL
 ENV_DECODE = "VLLM_MLA_FUSION_DECODE"  # off: every layer in rope_cache mode
 ENV_GRAPH_ROPE = "VLLM_MLA_FUSION_GRAPH_ROPE"  # on: decode mode logs itself as decode-graph-rope
 # The plugin's switches other than ENV_ENABLE (settings.ENVIRONMENT_VARIABLES; a test keeps them equal).
-SWITCHES = ("VLLM_MLA_FUSION_DECODE", "VLLM_MLA_FUSION_PREFILL_KEY", "VLLM_MLA_FUSION_PREWARM", ENV_GRAPH_ROPE,
+SWITCHES = (ENV_DECODE, "VLLM_MLA_FUSION_PREFILL_KEY", "VLLM_MLA_FUSION_PREWARM", ENV_GRAPH_ROPE,
             "VLLM_MLA_FUSION_BACKEND", "VLLM_MLA_FUSION_DEBUG", "VLLM_MLA_FUSION_PDL", "VLLM_MLA_FUSION_AITER_FP8")  # fmt: skip
 PACKAGE = "vllm_mla_fusion"
 OFF_VALUES = ("0", "false", "no", "off")  # settings.env_enabled's
@@ -49,10 +49,11 @@ class Side:
     def slug(self) -> str:
         """A file-name-safe, unique label: ``off``, ``on``, ``on-at-<dir>-<hash>``, then
         ``-<NAME>_<VALUE>`` per switch (NAME less the prefix ``VLLM_MLA_FUSION`` and its underscore)."""
-        base = self.name.partition("+")[0] if self.checkout is None else None
-        if self.checkout is not None:
+        if self.checkout is None:
+            base = self.name.partition("+")[0]
+        else:
             digest = hashlib.sha1(str(self.checkout).encode()).hexdigest()[:6]
-            base = f"on-at-{re.sub(r'[^A-Za-z0-9_.-]', '_', self.checkout.name)}-{digest}"
+            base = f"on-at-{self.checkout.name}-{digest}"
         switches = "".join(f"-{name.removeprefix(ENV_ENABLE + '_')}_{value}" for name, value in self.env)
         return re.sub(r"[^A-Za-z0-9_.-]", "_", base + switches)
 

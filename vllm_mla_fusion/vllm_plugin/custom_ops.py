@@ -64,13 +64,11 @@ def write_target(
     return scratch, slots, "auto"
 
 
-ROPE_CACHE_OPS_ATTR = "_mla_fusion_rope_cache_ops"
-
-
 def bind_rope_cache_ops(attn: torch.nn.Module, backend: str) -> None:
-    """Give a rope_cache-mode layer (vLLM's own MLAAttention) its op 1: backend and debug mode
-    fixed when the layer is built, layouts validated once, as a decode-mode layer's ops."""
-    setattr(attn, ROPE_CACHE_OPS_ATTR, BoundOps(backend, validation.debug_enabled()))
+    """Give a rope_cache-mode layer (vLLM's own MLAAttention) its ops, where a decode-mode layer
+    keeps them (``_bound_ops``, which ``rope_kv_cache_update`` uses for either): backend and
+    debug mode fixed when the layer is built, layouts validated once."""
+    attn._bound_ops = BoundOps(backend, validation.debug_enabled())
 
 
 def rope_kv_cache_update(
@@ -96,7 +94,7 @@ def rope_kv_cache_update(
     cache, slots, cache_dtype = write_target(
         kv_cache, slot_mapping, kv_cache_dtype, q.shape[0], kv_c_normed.shape[-1] + rope_dim, kv_c_normed
     )
-    op1 = getattr(layer, ROPE_CACHE_OPS_ATTR).get(OP_ROPE_CACHE, cache_dtype, is_neox)
+    op1 = layer._bound_ops.get(OP_ROPE_CACHE, cache_dtype, is_neox)
     op1(positions, q_pe, k_pe, kv_c_normed, cos_sin_cache, slots, cache, k_scale)
     return torch.empty(0, device=kv_c_normed.device, dtype=kv_c_normed.dtype)
 

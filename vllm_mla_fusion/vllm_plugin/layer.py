@@ -144,10 +144,7 @@ class FusedMultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         graph_rope_reason = eligibility.graph_rope_reason(vllm_config)
         FusedMLAAttention.promote(self.mla_attn, backend, vllm_config.cache_config.block_size,
                                   graph_rope=graph_rope_reason is None)  # fmt: skip
-        if graph_rope_reason is None:
-            # The graph op finds the layer's op 1 where rope_cache-mode layers keep theirs.
-            setattr(self.mla_attn, custom_ops.ROPE_CACHE_OPS_ATTR, self.mla_attn._bound_ops)
-        else:
+        if graph_rope_reason is not None:
             logger.debug("vllm-mla-fusion: %s keeps its RoPE in the attention op in piecewise-graph steps: %s",
                          self.prefix, graph_rope_reason)  # fmt: skip
         self.fusion_mode = MODE_DECODE
