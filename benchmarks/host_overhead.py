@@ -4,8 +4,9 @@
 Inside a CUDA graph a call costs only its GPU time; outside one, vLLM's
 attention op runs its Python each step, per layer, and the host time of the
 fused ops adds up over 61 layers. This script issues many back-to-back calls
-of one-token shapes (GPU work far below the host cost) and reports wall time
-per call, which is then the host's issue cost, for:
+of one-token shapes (GPU work far below the host cost) and reports the time to
+issue them per call (the GPU synchronized outside the timed span; rows take turns
+each round; median and range over the rounds), for:
 
 - ``public``: ``vllm_mla_fusion.mla_*`` (the torch.library custom op, what a
   user calls);
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -51,19 +53,26 @@ def _trivial(x_ptr):
     tl.store(x_ptr, tl.load(x_ptr) + 1)
 
 
-def per_call_us(fn, n: int) -> float:
-    """Median over 5 rounds of wall time per call for ``n`` back-to-back calls."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    rounds = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n):
+def per_call_us(rows: dict, n: int, rounds: int) -> dict:
+    """Host time per call of each row: the median, min and max over ``rounds`` rounds of the
+    time to *issue* ``n`` back-to-back calls (the GPU is synchronized after each row, outside
+    the timed span, so a row never waits on a full launch queue or on another row's kernels).
+
+    The rows take turns within each round, so a drift of the host's speed over the run (clock,
+    another tenant) spreads over all rows instead of landing on the ones measured last."""
+    times: dict[str, list] = {name: [] for name in rows}
+    for fn in rows.values():
+        for _ in range(20):
             fn()
-        torch.cuda.synchronize()
-        rounds.append((time.perf_counter() - t0) / n * 1e6)
-    return sorted(rounds)[2]
+    torch.cuda.synchronize()
+    for _ in range(rounds):
+        for name, fn in rows.items():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            times[name].append((time.perf_counter() - t0) / n * 1e6)
+            torch.cuda.synchronize()
+    return {name: {"median": statistics.median(v), "min": min(v), "max": max(v)} for name, v in times.items()}
 
 
 def _raw_run(site, T: int, tensors: tuple):
@@ -89,7 +98,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--calls", type=int, default=200, help="calls per row and round (fewer than the launch queue holds)")
+    ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
@@ -133,6 +143,7 @@ def main() -> int:
         "prefill eager": lambda: eager.mla_prefill_rope_cache_write(*pre),
         "prefill bound op (plugin)": lambda: pre_op(*pre_t),
         "prefill backend": lambda: pre_site(T, *pre_t),
+        "prefill backend, CompiledKernel.run": _raw_run(pre_site, T, pre_t),
         "prefill backend, Triton's launch path": lambda: pre_site._launch_through_triton(
             pre_site.plan(T), T, cache.shape[0] * cache.shape[1], 0, *pre_t),
         "trivial triton kernel": lambda: _trivial[(1,)](scale),
@@ -148,15 +159,19 @@ def main() -> int:
         rows["vllm concat_and_cache_mla"] = lambda: ops.concat_and_cache_mla(kv_c, k_pe, cache, slots, "auto", scale)
     except Exception as e:  # noqa: BLE001 - vLLM is optional here
         print(f"vLLM ops not measured: {type(e).__name__}: {e}")
-    result = {"heads": H, "tokens": T, "calls": args.calls, "torch": torch.__version__, "triton": triton.__version__,
-              "us_per_call": {}}  # fmt: skip
-    for name, fn in rows.items():
+    for name, fn in list(rows.items()):  # a row that cannot run is reported, not timed
         try:
-            result["us_per_call"][name] = per_call_us(fn, args.calls)
+            fn()
         except Exception as e:  # noqa: BLE001
-            result["us_per_call"][name] = f"failed: {type(e).__name__}: {e}"
-        v = result["us_per_call"][name]
-        print(f"{name:40s} {v if isinstance(v, str) else f'{v:7.2f} us'}", flush=True)
+            rows.pop(name)
+            print(f"{name:40s} failed: {type(e).__name__}: {e}")
+    torch.cuda.synchronize()
+    stats = per_call_us(rows, args.calls, args.rounds)
+    result = {"heads": H, "tokens": T, "calls": args.calls, "rounds": args.rounds, "torch": torch.__version__,
+              "triton": triton.__version__, "us_per_call": {k: v["median"] for k, v in stats.items()},
+              "us_per_call_range": {k: [v["min"], v["max"]] for k, v in stats.items()}}  # fmt: skip
+    for name, v in stats.items():
+        print(f"{name:40s} {v['median']:7.2f} us  [{v['min']:.2f}-{v['max']:.2f}]", flush=True)
     (args.out / "host_overhead.json").write_text(json.dumps(result, indent=1))
     return 0
 
