@@ -111,7 +111,7 @@ class Runner:
             # Several workers share the GPU: a small fixed KV cache instead of 90% of the memory.
             kw.update(dtype="bfloat16", kv_cache_memory_bytes=1 << 30, gpu_memory_utilization=0.2)
         if case.compiled:
-            kw["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8]}
+            kw["compilation_config"] = {"cudagraph_capture_sizes": list(case.capture_sizes)}
         return kw
 
     # -- probe ------------------------------------------------------------------------

@@ -56,6 +56,11 @@ CPU_MODEL_CONFIG = {**MODEL_CONFIG, "hidden_size": 256, "num_attention_heads": 4
 
 
 GRAPH_ROPE = (("VLLM_MLA_FUSION_GRAPH_ROPE", "1"),)  # the plugin side's switch of a graph-rope case
+DECODE_CAPTURE = (1, 2, 4, 8)  # graphs up to max_num_seqs: every decode-only step replays a FULL graph
+# A graph-rope case captures piecewise graphs up to its token budget, so that its prefill and
+# mixed steps replay them (with only DECODE_CAPTURE, every step longer than 8 tokens runs eager
+# and the graph op would never run inside a graph).
+PIECEWISE_CAPTURE = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,11 @@ class Case:
     kv_cache_dtype: str = "auto"
     max_num_batched_tokens: int = 256
     plugin_env: tuple[tuple[str, str], ...] = ()  # switches set for the plugin side's engine
+
+    @property
+    def capture_sizes(self) -> tuple[int, ...]:
+        """CUDA-graph capture sizes of a compiled case (both sides)."""
+        return PIECEWISE_CAPTURE if self.plugin_env == GRAPH_ROPE else DECODE_CAPTURE
 
     @property
     def name(self) -> str:
@@ -89,8 +99,9 @@ def case(backend: str, compiled: bool, kv_cache_dtype: str = "auto", plugin_env:
 # host work: compile, capture). Within a worker, in priority order: a worker that runs out
 # of time drops the last cases. The eager noise bound needs the compiled bf16 case of the
 # same backend, the fp8 comparison its compiled bf16 case (the reference). The graph-rope case
-# (op 1 inside piecewise graphs, VLLM_MLA_FUSION_GRAPH_ROPE=1) goes last: its steps of at most
-# the capture size replay piecewise graphs with the fused op captured in them.
+# (op 1 inside piecewise graphs, VLLM_MLA_FUSION_GRAPH_ROPE=1) goes last: its prefill and mixed
+# steps (at most the 1024-token budget, PIECEWISE_CAPTURE) replay piecewise graphs with the fused
+# op captured in them.
 GROUPS = {
     "FLASH_ATTN_MLA": [case("FLASH_ATTN_MLA", True), case("FLASH_ATTN_MLA", False),
                        case("FLASH_ATTN_MLA", True, plugin_env=GRAPH_ROPE)],
