@@ -108,6 +108,18 @@ MODELS = {
     "full": "DeepSeek-V3 as deployed, the whole model (for --tensor-parallel-size 8): fp8 128x128 blocks, 128 heads, "
     "3 dense + MoE layers (256 experts, top-8 + 1 shared)",
 }
+# The servers' environment per model, the same on every side. The fp8 models run vLLM's fp8 GEMM and
+# MoE kernels without DeepGEMM: DeepGEMM compiles its kernels on the machine at each cold start
+# (its warm-up walked 451 of 2020 GEMM shapes in 125 s on the first H200 attempt, after 168 s of
+# graph capture; the server missed a 420 s start limit) and a lent machine keeps no cache between
+# leases. The attention, where the plugin acts, is the same either way.
+SERVER_ENV = {
+    "fp8-moe": {"VLLM_USE_DEEP_GEMM": "0", "VLLM_MOE_USE_DEEP_GEMM": "0"},
+    "full": {"VLLM_USE_DEEP_GEMM": "0", "VLLM_MOE_USE_DEEP_GEMM": "0"},
+}
+# Seconds a server may take to answer /health: a cold fp8 server captures 51 graph sizes whose fp8
+# MoE kernels compile per size (168 s of the first attempt's start at 20 layers).
+START_TIMEOUT_S = {"dense": 420.0, "fp8-moe": 560.0, "full": 560.0}
 H200_GIB = 139.0  # what torch sees of an H200's memory
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of it
 

@@ -86,7 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--server-arg", action="append", default=[], help="more `vllm serve` options (shell words)")
     ap.add_argument("--bench-arg", action="append", default=[], help="more `vllm bench serve` options (shell words)")
     ap.add_argument("--seed", type=int, default=0, help="the random dataset's seed of the first load (+1 per load)")
-    ap.add_argument("--start-timeout-s", type=float, default=420.0)
+    ap.add_argument("--start-timeout-s", type=float, default=None,
+                    help="seconds a server may take to become healthy (default per model: models.START_TIMEOUT_S)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and the command lines; start nothing")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
@@ -211,6 +212,7 @@ class Benchmark:
     def base_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1")
+        env.update(models.SERVER_ENV.get(self.args.model, {}))
         # Last on the path: this checkout's demo/ and benchmarks/ (demo.serve, the client) for processes
         # that do not run from it; anything earlier (the carried vLLM, a baseline checkout) comes first.
         paths = env.get("PYTHONPATH", "").split(os.pathsep)
@@ -219,6 +221,11 @@ class Benchmark:
             # vLLM's model runner launches a few Triton kernels of its own: on a CPU, in Triton's interpreter.
             env.update(VLLM_TARGET_DEVICE="cpu", CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
         return env
+
+    def start_timeout_s(self) -> float:
+        if self.args.start_timeout_s is not None:
+            return self.args.start_timeout_s
+        return models.START_TIMEOUT_S.get(self.args.model, 420.0)
 
     def side_env(self, side: Side) -> dict[str, str]:
         env = side.server_env(self.base_env())
@@ -360,7 +367,7 @@ class Benchmark:
             client = self.start_client(index, side, server.port, scale)
             log(f"server {index} ({side.name}): starting on port {server.port}, {'warm' if warm else 'cold'} compile cache")
             try:
-                record["start_s"] = server.wait_healthy(min(self.args.start_timeout_s, max(self.left_s(), 1.0)))
+                record["start_s"] = server.wait_healthy(min(self.start_timeout_s(), max(self.left_s(), 1.0)))
             except ServerFailed as e:
                 self._stop_client(client, index)
                 record["log_lines"] = notable_lines(server.log())

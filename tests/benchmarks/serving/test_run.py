@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -238,3 +239,19 @@ def test_a_driver_ended_while_a_server_starts_leaves_no_process(tmp_path, monkey
     for pid in (server.proc.pid, client.pid):
         with pytest.raises(ProcessLookupError):
             os.killpg(pid, 0)
+
+
+def test_the_fp8_models_start_without_deepgemm_on_every_side_and_wait_longer(tmp_path):
+    """DeepGEMM's cold warm-up does not fit a device call (models.SERVER_ENV): the fp8 stand-in's
+    servers run without it, plugin on and off alike; the dense stand-in's environment is vLLM's."""
+    fp8 = run.Benchmark(run.parse_args(["--out", str(tmp_path), "--model", "fp8-moe", "--layers", "20"]))
+    envs = [fp8.side_env(side) for side in fp8.args.side_list]
+    for env in envs:
+        assert (env["VLLM_USE_DEEP_GEMM"], env["VLLM_MOE_USE_DEEP_GEMM"]) == ("0", "0")
+    assert [env["VLLM_MLA_FUSION"] for env in envs] == ["1", "0"]
+    assert fp8.start_timeout_s() == 560.0
+    dense = run.Benchmark(run.parse_args(["--out", str(tmp_path / "d")]))
+    assert dense.side_env(dense.args.side_list[0]).get("VLLM_USE_DEEP_GEMM") == os.environ.get("VLLM_USE_DEEP_GEMM")
+    assert dense.start_timeout_s() == 420.0
+    given = run.Benchmark(run.parse_args(["--out", str(tmp_path / "g"), "--model", "fp8-moe", "--start-timeout-s", "99"]))
+    assert given.start_timeout_s() == 99.0
