@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Issue 13's targets judged over several end-to-end runs at once.
 
 One run of ``bench_vllm_e2e.py`` has 1-3 engines per side, and the lent machines' host
@@ -17,7 +16,7 @@ one run. This script reads the JSON of several runs and reports, per KV-cache dt
   and, where they have it, the engine's host-speed probe (fixed work that neither side's
   code runs: a slower process shows there, a costlier plugin does not).
 
-    python benchmarks/e2e_pool.py benchmarks/results/bench_vllm_e2e_h200*.json* --out /tmp/pool.md
+    python -m benchmarks.e2e.e2e_pool benchmarks/results/bench_vllm_e2e_h200*.json* --out /tmp/pool.md
 """
 
 from __future__ import annotations
@@ -29,9 +28,7 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_vllm_e2e import _host_split, med  # noqa: E402
+from .bench_vllm_e2e import _host_split, med
 
 
 def load(path: Path) -> dict:
@@ -146,7 +143,7 @@ def _f(x, fmt="{:.2f}") -> str:
 
 
 def markdown(pooled: dict, names: list[str]) -> str:
-    lines = ["# End-to-end runs pooled (benchmarks/e2e_pool.py)", "", "Runs: " + ", ".join(f"`{n}`" for n in names), ""]
+    lines = ["# End-to-end runs pooled (benchmarks/e2e/e2e_pool.py)", "", "Runs: " + ", ".join(f"`{n}`" for n in names), ""]
     for kv, k in pooled.items():
         lines += [f"## KV cache {kv}", "", "GPU busy time saved per decode step over the prediction, per run:", "",
                   "| B | " + " | ".join(names) + " | median | min | runs with a lower GPU time |",

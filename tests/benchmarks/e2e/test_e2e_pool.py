@@ -1,4 +1,4 @@
-"""benchmarks/e2e_pool.py: the exact Mann-Whitney test and the pooling of engines over runs."""
+"""benchmarks/e2e/e2e_pool.py: the exact Mann-Whitney test and the pooling of engines over runs."""
 
 from __future__ import annotations
 
@@ -7,13 +7,10 @@ import itertools
 import json
 import random
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import e2e_pool  # noqa: E402
+from benchmarks.e2e import e2e_pool
 
 
 def _u(xs, ys):
@@ -127,12 +124,12 @@ def test_main_reads_gzipped_runs_and_refuses_smoke_only_input(tmp_path, capsys):
     out = tmp_path / "pool.md"
     sys_argv = sys.argv
     try:
-        sys.argv = ["e2e_pool.py", str(path), "--out", str(out)]
+        sys.argv = ["e2e_pool", str(path), "--out", str(out)]
         assert e2e_pool.main() == 0
         assert "`h200_x`" in out.read_text() and "| 1 | 1.10 |" in out.read_text()
         smoke = tmp_path / "bench_vllm_e2e_smoke.json"
         smoke.write_text(json.dumps({**report, "config": {"mode": "smoke"}}))
-        sys.argv = ["e2e_pool.py", str(smoke)]
+        sys.argv = ["e2e_pool", str(smoke)]
         assert e2e_pool.main() == 2
     finally:
         sys.argv = sys_argv
