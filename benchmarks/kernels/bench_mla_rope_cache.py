@@ -85,12 +85,12 @@ Q_SCALE = 0.03
 
 LABELS = {
     "triton": "this project, backend='triton' (1 launch per op; CUDA graph)",
-    "unfused": "unfused chain of separate Triton kernels (benchmarks/unfused.py): RoPE in place + "
+    "unfused": "unfused chain of separate Triton kernels (benchmarks/kernels/unfused.py): RoPE in place + "
     "concat_and_cache [+ query concat/quant] = 2 launches (prefill) / 3 (decode, mixed); CUDA graph",
     "torch_ref": "this project, backend='torch' (the reference): EAGER, CUDA events around a loop; "
     "includes host overhead and the device sync of its boolean-mask indexing",
     "torch_compile": "torch.compile(dynamic=True, fullgraph=True) of the benchmark's sync-free torch variant "
-    "(benchmarks/torch_variants.py); CUDA graph",
+    "(benchmarks/kernels/torch_variants.py); CUDA graph",
     "aiter_triton": "AITER Triton fused_qk_rope_cat_and_cache_mla (amd-aiter wheel; decode, bf16 cache only "
     "on NVIDIA); CUDA graph",
     "vllm_fused": "vLLM CUDA concat_and_cache_mla_rope_fused (bf16 cos/sin) [+ concat_mla_q or the unfused "
