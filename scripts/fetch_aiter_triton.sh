@@ -4,7 +4,7 @@
 # files land in <repo>/third_party_aiter/ (git-ignored) or in the folder given
 # as the first argument, and the project finds them only through
 # VLLM_MLA_FUSION_AITER_TRITON_PATH or that default folder
-# (benchmarks/aiter_triton_peer.py).
+# (benchmarks/kernels/aiter_triton_peer.py).
 #
 # Source: the amd-aiter wheel on PyPI. It is old (0.1.7, Nov 2025: the Triton
 # op returns (q_out, decode_q_pe_out, k_pe_out, kv_cache), no upcast_operand),

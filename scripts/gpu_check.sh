@@ -47,35 +47,35 @@ for stage in $stages; do
     echo "== benchmark"
     mkdir -p "$OUT/bench"
     extra=""; [ "$stage" = quickbench ] && extra="--quick"
-    python3 benchmarks/bench_mla_rope_cache.py --out "$OUT/bench" $extra 2>&1 | tee "$OUT/bench.log" | tail -n 80 || status=1
+    python3 -m benchmarks.kernels.bench_mla_rope_cache --out "$OUT/bench" $extra 2>&1 | tee "$OUT/bench.log" | tail -n 80 || status=1
     ;;
   epilogue)
     # Issue 10's sections only (the epilogue, the decode-layer figures and the op 1/op 2 shapes
     # its targets name), with vLLM's kernels as peers when vLLM is importable.
     echo "== benchmark: epilogue"
     mkdir -p "$OUT/epilogue"
-    python3 benchmarks/bench_mla_rope_cache.py --out "$OUT/epilogue" --sections epilogue sweep --quick \
+    python3 -m benchmarks.kernels.bench_mla_rope_cache --out "$OUT/epilogue" --sections epilogue sweep --quick \
       --tokens 1 16 64 256 1024 4096 16384 --time-budget-s "${BENCH_BUDGET_S:-240}" 2>&1 \
       | tee "$OUT/epilogue.log" | tail -n 60 || status=1
     ;;
   hostcost)
     echo "== host time per call"
-    python3 benchmarks/host_overhead.py --out "$OUT" 2>&1 | tee "$OUT/host_overhead.log" || status=1
+    python3 -m benchmarks.kernels.host_overhead --out "$OUT" 2>&1 | tee "$OUT/host_overhead.log" || status=1
     ;;
   ncu)
     # Hardware counters of the kernel at the shapes whose efficiency targets are missed
     # (docs/performance.md, "What bounds it"); clocks left alone, as the device notes ask.
-    echo "== ncu: benchmarks/ncu_shapes.py"
-    python3 benchmarks/ncu_shapes.py >/dev/null 2>&1  # compile outside the profiler first
+    echo "== ncu: benchmarks/kernels/ncu_shapes.py"
+    python3 -m benchmarks.kernels.ncu_shapes >/dev/null 2>&1  # compile outside the profiler first
     timeout 240 ncu --clock-control none --target-processes all -k regex:_mla_rope_cache_kernel \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
-      --section LaunchStats --section SchedulerStats python3 benchmarks/ncu_shapes.py >"$OUT/ncu_shapes.txt" 2>&1 || status=1
+      --section LaunchStats --section SchedulerStats python3 -m benchmarks.kernels.ncu_shapes >"$OUT/ncu_shapes.txt" 2>&1 || status=1
     grep -E "launch [0-9]+:|_mla_rope_cache_kernel|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Eligible Warps|No Eligible" \
       "$OUT/ncu_shapes.txt" | head -n 120
     ;;
   tune)
     echo "== launch tuner (issue 10 shapes)"
-    python3 benchmarks/tune_launch.py --focus --grid --out "$OUT" 2>&1 | tee "$OUT/tune.log" | grep -v "^   config" || status=1
+    python3 -m benchmarks.kernels.tune_launch --focus --grid --out "$OUT" 2>&1 | tee "$OUT/tune.log" | grep -v "^   config" || status=1
     ;;
   *) echo "unknown stage $stage"; status=2 ;;
   esac

@@ -57,15 +57,23 @@ install)
   ;;
 hostpath)
   # The host path on torch 2.14 / Triton 3.8: host time per call of this checkout and of an older
-  # commit's package carried in .baseline/ (git archive of vllm_mla_fusion/ and
-  # benchmarks/host_overhead.py), alternating twice so that host-speed drift shows; then the GPU
-  # tests inside vLLM.
+  # commit's package carried in .baseline/ (git archive of vllm_mla_fusion/, benchmarks/__init__.py
+  # and benchmarks/kernels/; for a commit before benchmarks/ became a package, of vllm_mla_fusion/
+  # and benchmarks/host_overhead.py), alternating twice so that host-speed drift shows; then the
+  # GPU tests inside vLLM. Each side runs from its own root, so that it imports its own package.
+  out_abs=$(cd "$OUT" && pwd)
   for round in 1 2; do
     for side in new old; do
-      script=benchmarks/host_overhead.py
-      [ "$side" = old ] && script=.baseline/benchmarks/host_overhead.py
-      [ -f "$script" ] || continue
-      PYTHONPATH=$SITE_DIR timeout 90 python3 "$script" --out "$OUT/host_${side}_$round" \
+      root=.
+      [ "$side" = old ] && root=.baseline
+      if [ -f "$root/benchmarks/kernels/host_overhead.py" ]; then
+        cmd=(python3 -m benchmarks.kernels.host_overhead)
+      elif [ -f "$root/benchmarks/host_overhead.py" ]; then
+        cmd=(python3 benchmarks/host_overhead.py)  # the layout before benchmarks/ became a package
+      else
+        continue
+      fi
+      (cd "$root" && PYTHONPATH=$SITE_DIR timeout 90 "${cmd[@]}" --out "$out_abs/host_${side}_$round") \
         >"$OUT/host_${side}_$round.log" 2>&1 || status=1
       tail -n 22 "$OUT/host_${side}_$round.log"
     done

@@ -11,7 +11,7 @@
 #               bf16 pair); variants of the plugin come from the environment (its variables set for
 #               the call), and the compile caches in $E2E_WORK from earlier parts make its engines warm
 #     hostprof  issue 20's host profile: in-process engines plugin on and off, py-spy (a wheel carried
-#               in .whl/) over fixed prefill and mixed workloads (benchmarks/host_profile.py), within
+#               in .whl/) over fixed prefill and mixed workloads (benchmarks/e2e/host_profile.py), within
 #               $HOSTPROF_DEADLINE_S (default 225); $HOSTPROF_MODES (default compiled; "compiled eager"
 #               adds the eager pair), $HOSTPROF_ARGS more options; output in $OUT/host_profile/
 #     env       only set up the environment and print versions
@@ -117,7 +117,7 @@ stage_e2e() {
   # For a CPU dry run of this script's logic (E2E_SMOKE=1): same options, the benchmark's smoke mode.
   [ "${E2E_SMOKE:-0}" = 1 ] && extra=(--smoke --inproc)
   note "e2e $tag: limit ${limit}s"
-  timeout -k 15 "$limit" python3 benchmarks/bench_vllm_e2e.py --out "$OUT" --work-dir "$E2E_WORK" --tag "$tag" \
+  timeout -k 15 "$limit" python3 -m benchmarks.e2e.bench_vllm_e2e --out "$OUT" --work-dir "$E2E_WORK" --tag "$tag" \
     --deadline-s $((limit - 40)) "$@" ${extra[@]+"${extra[@]}"} >"$OUT/bench_vllm_e2e_$tag.log" 2>&1
   local rc=$?
   grep -E "^\[[0-9:]+\] " "$OUT/bench_vllm_e2e_$tag.log" | tail -n 60
@@ -134,7 +134,7 @@ stage_hostprof() {
   if [ "$deadline" -lt 150 ]; then echo "host profile: only ${limit}s left, not starting"; return 1; fi
   note "host profile: deadline ${deadline}s, modes ${HOSTPROF_MODES:-compiled}"
   # shellcheck disable=SC2086 # HOSTPROF_MODES and HOSTPROF_ARGS are lists
-  timeout -k 10 $((deadline + 10)) python3 benchmarks/host_profile.py --out "$OUT/host_profile" \
+  timeout -k 10 $((deadline + 10)) python3 -m benchmarks.e2e.host_profile --out "$OUT/host_profile" \
     --work-dir "${HOSTPROF_WORK:-/tmp/host_profile_work}" --deadline-s "$deadline" --modes ${HOSTPROF_MODES:-compiled} \
     ${HOSTPROF_ARGS:-} >"$OUT/host_profile.log" 2>&1
   local rc=$?

@@ -2,7 +2,7 @@
 
 Three, chosen by name (``MODELS``):
 
-- ``dense``: today's end-to-end stand-in (benchmarks/bench_vllm_e2e.py), every layer a
+- ``dense``: today's end-to-end stand-in (benchmarks/e2e/bench_vllm_e2e.py), every layer a
   dense MLP of 18432/8 = 2304, bf16 weights; what the earlier results were measured on.
 - ``fp8-moe``: DeepSeek-V3 as deployed on one TP8 rank: fp8 weights quantized in 128x128
   blocks (DeepSeek's own ``quantization_config``), 3 dense layers and MoE in the rest,
@@ -40,10 +40,10 @@ WORD_MARK = "\u2581"
 
 
 def dense_tp8_config() -> dict:
-    """benchmarks/bench_vllm_e2e.py's DSV3_TP8_CONFIG: what the end-to-end results were measured on."""
+    """benchmarks/e2e/bench_vllm_e2e.py's DSV3_TP8_CONFIG: what the end-to-end results were measured on."""
     saved = dict(os.environ)
     try:
-        from benchmarks.bench_vllm_e2e import DSV3_TP8_CONFIG
+        from benchmarks.e2e.bench_vllm_e2e import DSV3_TP8_CONFIG
     finally:
         # That module sets defaults for its own engines (insecure serialization among them)
         # when imported; the servers here get the environment the user gave.

@@ -250,10 +250,7 @@ def rank0_trace(directory: Path, prefix: str, wait_s: float = 120.0) -> Path | N
 
 def decode_step_times(trace_path: Path) -> dict:
     """GPU time per decode step of rank 0's trace: the busy time (union of its kernels) of every decode-only step."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: vllm_trace is a top-level module there
-    import vllm_trace
+    from benchmarks.e2e import vllm_trace
 
     steps = vllm_trace.parse_steps(vllm_trace.load(str(trace_path)))
     return summarize_steps([(s.kind, s.gen_reqs, s.gpu_time_us()["busy"]) for s in steps], trace_path.name)

@@ -543,13 +543,9 @@ class Benchmark:
 
 
 def probe_profiler_config(directory: Path) -> dict:
-    """benchmarks/vllm_engine.py's torch-profiler settings, for the server's /start_profile."""
-    saved = sys.path[:]
-    sys.path.insert(0, str(REPO / "benchmarks"))  # vllm_engine is a top-level module there; it imports no vLLM
-    try:
-        import vllm_engine
-    finally:
-        sys.path[:] = saved
+    """benchmarks/e2e/vllm_engine.py's torch-profiler settings, for the server's /start_profile."""
+    from benchmarks.e2e import vllm_engine  # imports no vLLM
+
     return vllm_engine.profiler_config(str(directory))
 
 

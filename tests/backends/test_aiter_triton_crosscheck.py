@@ -1,7 +1,7 @@
 """AITER's Triton MLA op against this project's op 2 (Triton backend), on the same inputs.
 
 AITER's ``fused_qk_rope_cat_and_cache_mla`` is loaded only from the folder
-that ``scripts/fetch_aiter_triton.sh`` fills (``benchmarks/aiter_triton_peer.py``);
+that ``scripts/fetch_aiter_triton.sh`` fills (``benchmarks/kernels/aiter_triton_peer.py``);
 without it, or without a GPU, these tests skip and say which is missing.
 They prove that the two agree where their semantics overlap:
 
@@ -25,31 +25,15 @@ so the bound adds one ulp of each product's magnitude.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 import vllm_mla_fusion as mla
+from benchmarks.kernels import aiter_triton_peer as peer
 from vllm_mla_fusion import dispatch
 
 L, R = 512, 64
 MAX_POS = 4096
-
-
-def _load_peer():
-    # Loaded by path: benchmarks/ is not an installed package.
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "aiter_triton_peer.py"
-    spec = importlib.util.spec_from_file_location("_mla_fusion_peer_aiter_triton", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module
-
-
-peer = _load_peer()
 
 
 def _gpu_skip_reason() -> str | None:

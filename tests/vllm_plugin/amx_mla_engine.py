@@ -3,7 +3,7 @@
 ``python -m tests.vllm_plugin.amx_mla_engine MODEL_DIR`` runs the demo's
 schedule (demo/generate.py: requests arriving at different steps, one long
 prompt, one sharing its beginning) through two in-process engines, one with
-the plugin and one without (benchmarks/vllm_engine.py ``set_plugin``), on
+the plugin and one without (benchmarks/e2e/vllm_engine.py ``set_plugin``), on
 vLLM's CPU platform as it is on a CPU with AMX: ``torch.cpu`` reports AMX
 tiles, AMX_MLA is asked for by name, and its kernels, which vLLM's CUDA
 wheel lacks, are the plain-torch stand-ins of demo/cpu_stand_ins.py
@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import torch
 
+from benchmarks.e2e import vllm_engine as E
 from demo import cpu_stand_ins
 from demo import generate as G  # also sets the CPU platform and the in-process engine
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import vllm_engine as E  # noqa: E402
 
 
 def main(model_dir: str) -> None:

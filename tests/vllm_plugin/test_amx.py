@@ -219,7 +219,7 @@ SIMULATED_RUN = [
     "tests/vllm_plugin/test_prewarm.py",
     "tests/vllm_plugin/test_census.py",
     "tests/vllm_plugin/test_generate.py",
-    "tests/benchmarks/test_bench_vllm_e2e_smoke.py",
+    "tests/benchmarks/e2e/test_bench_vllm_e2e_smoke.py",
 ]
 # Must pass in the simulated run: the proof that the simulation reached vLLM there, and the
 # demo's engine runs (their processes saw AMX too: test_cpu_run_reports_what_vllm_changed).
@@ -227,7 +227,7 @@ MUST_PASS = [
     "tests/vllm_plugin/test_amx.py::test_vllm_reads_amx_where_the_harness_hides_it",
     "tests/vllm_plugin/test_generate.py::test_tokens_identical_with_plugin_on_and_off",
     "tests/vllm_plugin/test_generate.py::test_cpu_run_reports_what_vllm_changed",
-    "tests/benchmarks/test_bench_vllm_e2e_smoke.py::test_engines_alternate_and_the_plugin_is_what_was_asked",
+    "tests/benchmarks/e2e/test_bench_vllm_e2e_smoke.py::test_engines_alternate_and_the_plugin_is_what_was_asked",
 ]
 
 

@@ -19,7 +19,7 @@ The probe:
 3. teacher forcing: ``prompt_logprobs`` over fixed token sequences, so that a changed
    rounding cannot make the two sides diverge, chunked by the case's token budget;
 4. census: a profiled run (vLLM's torch profiler) of prefill-only, decode-only and
-   mixed steps; per step the GPU kernels it launched (benchmarks/vllm_trace.py);
+   mixed steps; per step the GPU kernels it launched (benchmarks/e2e/vllm_trace.py);
 5. which attention paths and CUDA-graph routes ran during 2-4 (counters wrapped
    around the backend and the runner), and Triton JIT compilations after warm-up.
 
@@ -45,9 +45,6 @@ import sys
 import time
 import traceback
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "benchmarks"
 
 # Set before vLLM is imported (its platform and engine mode are chosen then).
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -96,7 +93,7 @@ class Runner:
 
     def llm_kwargs(self, case: W.Case) -> dict:
         import torch
-        import vllm_engine as E
+        from benchmarks.e2e import vllm_engine as E
 
         kw = dict(
             model=self.model_dir, load_format="dummy", skip_tokenizer_init=True, seed=0,
@@ -142,7 +139,7 @@ class Runner:
         return {"lens": list(self.probe.teacher_lens), "logprobs": logprobs}
 
     def census(self, llm, vocab: int, prof_dir: Path) -> dict:
-        import vllm_engine as E
+        from benchmarks.e2e import vllm_engine as E
         from vllm import SamplingParams
 
         p = self.probe
@@ -168,7 +165,7 @@ class Runner:
         return E.census(path)
 
     def run_engine(self, case: W.Case, side: str) -> dict:
-        import vllm_engine as E
+        from benchmarks.e2e import vllm_engine as E
         from vllm import LLM
 
         on = side == "on"
@@ -232,7 +229,7 @@ class Runner:
         torch.compiler.reset()
 
     def run(self) -> int:
-        import vllm_engine as E
+        from benchmarks.e2e import vllm_engine as E
 
         groups = W.CPU_GROUPS if self.cpu else {g: W.GROUPS[g] for g in self.args.group}
         header = {"kind": "worker", "groups": list(groups), "pid": os.getpid(), "entry_points": E.entry_points()}
@@ -288,7 +285,6 @@ def main(argv=None) -> int:
         os.environ["VLLM_TARGET_DEVICE"] = "cpu"
     else:
         os.environ.pop("VLLM_TARGET_DEVICE", None)
-    sys.path.insert(0, str(BENCH))
     if args.cpu_smoke:
         from demo import cpu_stand_ins
 

@@ -12,7 +12,7 @@ GIB = 2**30
 
 
 def test_dense_stand_in_is_the_e2e_benchmarks_model():
-    from benchmarks.bench_vllm_e2e import DSV3_TP8_CONFIG
+    from benchmarks.e2e.bench_vllm_e2e import DSV3_TP8_CONFIG
 
     c = models.stand_in_config("dense")
     assert {k: v for k, v in c.items() if k not in ("bos_token_id", "eos_token_id", "transformers_version")} == DSV3_TP8_CONFIG

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Host microseconds per call of each piece of one MLA layer's attention step, plugin on and off,
 on vLLM's CPU platform (issue 20: where does the plugin's extra Python per layer and step go?).
 
@@ -22,7 +21,7 @@ Also counts, per layer call, the Python function calls (cProfile) and the net nu
 objects the garbage collector tracks afterwards. CPU compute (the torch backend, CPU_MLA's
 attention) is in the totals; the pieces that are pure Python are what a GPU host pays too.
 
-    python benchmarks/plugin_host_calls.py --tokens 64 --out /tmp/calls.json
+    python -m benchmarks.e2e.plugin_host_calls --tokens 64 --out /tmp/calls.json    # from the repository root
 """
 
 from __future__ import annotations
@@ -42,8 +41,6 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 

@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 
 ENV_PATH = "VLLM_MLA_FUSION_AITER_TRITON_PATH"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PATH = REPO_ROOT / "third_party_aiter"
 # Module paths of the op: HEAD moved it under fusions/ (a compat map keeps the old path).
 _MODULES = ("aiter.ops.triton.fusions.fused_kv_cache", "aiter.ops.triton.fused_kv_cache")

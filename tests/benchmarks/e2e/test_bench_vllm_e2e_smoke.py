@@ -1,4 +1,4 @@
-"""``benchmarks/bench_vllm_e2e.py --smoke`` runs end to end on vLLM's CPU platform and writes what it promises.
+"""``python -m benchmarks.e2e.bench_vllm_e2e --smoke`` runs end to end on vLLM's CPU platform and writes what it promises.
 
 The smoke mode runs the benchmark's code paths (model directory, engine per side with
 the plugin switched on and off, the plugin-mode check, the JIT hook, first request,
@@ -26,8 +26,7 @@ pytest.importorskip("vllm")
 
 pytestmark = pytest.mark.vllm
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "benchmarks" / "bench_vllm_e2e.py"
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +36,7 @@ def report(tmp_path_factory):
     for name in ("VLLM_MLA_FUSION", "VLLM_MLA_FUSION_DECODE", "VLLM_PLUGINS", "VLLM_MLA_FUSION_BACKEND"):
         env.pop(name, None)
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--inproc", "--no-plot", "--host-regions", "--out", str(out), "--tag", "smoke"],
+        [sys.executable, "-m", "benchmarks.e2e.bench_vllm_e2e", "--smoke", "--inproc", "--no-plot", "--host-regions", "--out", str(out), "--tag", "smoke"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, f"smoke run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"

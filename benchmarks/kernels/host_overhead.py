@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Host time per call of the ops, where nothing captures them (eager vLLM, piecewise-graph steps).
 
 Inside a CUDA graph a call costs only its GPU time; outside one, vLLM's
@@ -20,7 +19,7 @@ each round; median and range over the rounds), for:
 - vLLM's ``concat_and_cache_mla_rope_fused`` and ``concat_and_cache_mla`` C++
   ops when vLLM is importable, a trivial Triton kernel and ``x.add_(1)``.
 
-    python3 benchmarks/host_overhead.py --out /tmp/host      # ~20 s on an H200 host
+    python3 -m benchmarks.kernels.host_overhead --out /tmp/host      # ~20 s on an H200 host
 """
 
 from __future__ import annotations
@@ -33,17 +32,14 @@ import time
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-import vllm_mla_fusion as mla  # noqa: E402
-from vllm_mla_fusion import validation  # noqa: E402
-from vllm_mla_fusion.backends import triton as tb  # noqa: E402
-from vllm_mla_fusion.binding import OP_DECODE, OP_PREFILL, BoundOp  # noqa: E402
-from vllm_mla_fusion.ops import eager  # noqa: E402
+import vllm_mla_fusion as mla
+from vllm_mla_fusion import validation
+from vllm_mla_fusion.backends import triton as tb
+from vllm_mla_fusion.binding import OP_DECODE, OP_PREFILL, BoundOp
+from vllm_mla_fusion.ops import eager
 
 L, R, P, V, MAX_POS = 512, 64, 128, 128, 163840
 

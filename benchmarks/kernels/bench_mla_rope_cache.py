@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Benchmark the fused MLA RoPE + KV-cache write against its peers and the hardware floor.
 
 One command, four sections (docs/performance-history.md explains every column):
@@ -21,15 +20,17 @@ One command, four sections (docs/performance-history.md explains every column):
 
 Every implementation runs on identical inputs in the same process and is timed
 as a CUDA graph of many back-to-back calls with inputs rotated across several
-sets (benchmarks/timing.py). The launch floor (trivial kernel) and the copy
+sets (benchmarks/kernels/timing.py). The launch floor (trivial kernel) and the copy
 bandwidth are measured in the same run; floor = max(launch, bytes / bandwidth).
 
 Usage::
 
-    python benchmarks/bench_mla_rope_cache.py --out benchmarks/results          # full sweep (H200: ~3-4 min)
-    python benchmarks/bench_mla_rope_cache.py --quick --out /tmp/bench          # subset (~1 min)
-    python benchmarks/bench_mla_rope_cache.py --decode-layer --out /tmp/bench   # only the issue-4 section
-    python benchmarks/bench_mla_rope_cache.py --smoke --out /tmp/smoke          # CPU, Triton interpreter, tiny shapes
+    python -m benchmarks.kernels.bench_mla_rope_cache --out benchmarks/results          # full sweep (H200: ~3-4 min)
+    python -m benchmarks.kernels.bench_mla_rope_cache --quick --out /tmp/bench          # subset (~1 min)
+    python -m benchmarks.kernels.bench_mla_rope_cache --decode-layer --out /tmp/bench   # only the issue-4 section
+    python -m benchmarks.kernels.bench_mla_rope_cache --smoke --out /tmp/smoke          # CPU, Triton interpreter, tiny shapes
+
+(from the repository root).
 
 Writes ``bench_mla_rope_cache.json``, ``bench_mla_rope_cache.md`` (tables for
 docs/performance-history.md) and, when matplotlib is installed, ``bench_mla_rope_cache.png``
@@ -52,8 +53,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-BENCH_DIR = Path(__file__).resolve().parent
-REPO = BENCH_DIR.parent
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmarks" / "results"
 
 # DeepSeek-V3 dimensions.
 KV_LORA_RANK = 512  # L
@@ -84,12 +85,12 @@ Q_SCALE = 0.03
 
 LABELS = {
     "triton": "this project, backend='triton' (1 launch per op; CUDA graph)",
-    "unfused": "unfused chain of separate Triton kernels (benchmarks/unfused.py): RoPE in place + "
+    "unfused": "unfused chain of separate Triton kernels (benchmarks/kernels/unfused.py): RoPE in place + "
     "concat_and_cache [+ query concat/quant] = 2 launches (prefill) / 3 (decode, mixed); CUDA graph",
     "torch_ref": "this project, backend='torch' (the reference): EAGER, CUDA events around a loop; "
     "includes host overhead and the device sync of its boolean-mask indexing",
     "torch_compile": "torch.compile(dynamic=True, fullgraph=True) of the benchmark's sync-free torch variant "
-    "(benchmarks/torch_variants.py); CUDA graph",
+    "(benchmarks/kernels/torch_variants.py); CUDA graph",
     "aiter_triton": "AITER Triton fused_qk_rope_cat_and_cache_mla (amd-aiter wheel; decode, bf16 cache only "
     "on NVIDIA); CUDA graph",
     "vllm_fused": "vLLM CUDA concat_and_cache_mla_rope_fused (bf16 cos/sin) [+ concat_mla_q or the unfused "
@@ -379,7 +380,7 @@ class Impls:
             self._peer("flashinfer")
 
     def _peer(self, impl: str):
-        import peers
+        from . import peers
 
         if self.device.type != "cuda":
             raise Unavailable("missing", "peers run on a GPU only")
@@ -424,7 +425,7 @@ class Impls:
             return lambda: (op2(v.dec), op1(v.pre))
 
         if impl == "unfused":
-            import unfused
+            from . import unfused
 
             if cfg.op == "prefill":
                 return lambda: unfused.prefill_chain(v.positions, v.q_pe, v.k_pe, v.kv_c, v.cos_sin_cache, neox,
@@ -442,7 +443,7 @@ class Impls:
             return mixed
 
         if impl == "torch_compile":
-            import torch_variants
+            from . import torch_variants
 
             fn = torch_variants.compiled(cfg.op, enabled=not self.args.smoke)
             if cfg.op == "prefill":
@@ -451,7 +452,7 @@ class Impls:
             return lambda: fn(v.positions, v.ql_nope, v.q_pe, v.k_pe, v.kv_c, v.cos_sin_cache, neox, v.slot_mapping,
                               v.flat_cache, v.store_dtype, v.q_out, v.kv_cache_scale, v.q_scale)  # fmt: skip
 
-        import peers
+        from . import peers
 
         if impl == "aiter_triton":
             op, _ = self._peer("aiter_triton")
@@ -462,7 +463,7 @@ class Impls:
                 self._cos_sin_act = v.cos_sin_cache.to(torch.bfloat16)  # recent vLLM wants q's dtype
             if cfg.op == "prefill":
                 return peers.vllm_prefill_call(ops, v, neox, v.kv_cache_dtype, self._cos_sin_act)
-            import unfused
+            from . import unfused
 
             return peers.vllm_decode_call(ops, v, neox, v.kv_cache_dtype, self._cos_sin_act, unfused.concat_mla_q)
         if impl == "flashinfer":
@@ -505,12 +506,12 @@ class Impls:
 
             return op1_cat
         if impl == "unfused":
-            import unfused
+            from . import unfused
 
             return lambda: unfused.epilogue_chain(v.positions, v.q_pe, v.k_pe, v.kv_c, v.k_nope, v.cos_sin_cache,
                                                   neox, v.slot_mapping, v.typed_cache, v.k_out, v.kv_cache_scale,
                                                   key_scratch=scratch)  # fmt: skip
-        import peers
+        from . import peers
 
         if self._cos_sin_act is None:
             self._cos_sin_act = v.cos_sin_cache.to(torch.bfloat16)  # vLLM's kernels want q's dtype
@@ -631,7 +632,7 @@ class Runner:
         self.results: list[dict] = []
         self.calibration: dict = {}
         self.peers: dict = {}
-        import timing
+        from . import timing
 
         self.timing = timing
         self.l2 = timing.l2_cache_bytes(self.device)
@@ -1224,7 +1225,7 @@ def parse_args(argv=None):
         action="store_true",
         help="CPU only, Triton interpreter, tiny shapes, no CUDA graphs: checks the code paths run",
     )
-    p.add_argument("--out", type=Path, default=BENCH_DIR / "results", help="output directory (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=RESULTS, help="output directory (default: %(default)s)")
     p.add_argument("--sections", nargs="+", choices=SECTIONS, default=None, help="default: all")
     p.add_argument("--decode-layer", action="store_true",
                    help="only the decode-layer section (same as --sections decode-layer)")  # fmt: skip
@@ -1286,9 +1287,6 @@ def main(argv=None) -> int:
     if args.smoke:
         # Must precede the first import of triton (the interpreter is chosen at kernel definition).
         os.environ["TRITON_INTERPRET"] = "1"
-    for path in (str(BENCH_DIR), str(REPO)):
-        if path not in sys.path:
-            sys.path.insert(0, path)
     import torch
 
     if not args.smoke and not torch.cuda.is_available():

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Coordinate search over the Triton kernel's launch configuration, per shape class.
 
 Not part of the regular benchmark: it informs the heuristic in
@@ -6,28 +5,24 @@ Not part of the regular benchmark: it informs the heuristic in
 records what it found). For each shape it starts from the current heuristic and
 varies one knob at a time (rows per query program, tokens per cache program,
 warps, programmatic dependent launch), timing each variant as a CUDA graph of
-back-to-back calls on rotated inputs (benchmarks/timing.py).
+back-to-back calls on rotated inputs (benchmarks/kernels/timing.py).
 
-    python benchmarks/tune_launch.py --out /tmp/tune            # H200: ~3 minutes
-    python benchmarks/tune_launch.py --focus --out /tmp/tune    # issue 10's shapes only (~1 minute)
+    python -m benchmarks.kernels.tune_launch --out /tmp/tune            # H200: ~3 minutes
+    python -m benchmarks.kernels.tune_launch --focus --out /tmp/tune    # issue 10's shapes only (~1 minute)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import vllm_mla_fusion as mla
+from vllm_mla_fusion.backends import triton as tb
 
-import timing  # noqa: E402
-
-import vllm_mla_fusion as mla  # noqa: E402
-from vllm_mla_fusion.backends import triton as tb  # noqa: E402
+from . import timing
 
 L, R, NOPE, MAX_POS = 512, 64, 128, 163840
 SHAPES = [  # (op, H, T, fp8)

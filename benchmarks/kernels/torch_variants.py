@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 # The math is the package reference's (rotation, position clamping, fp8 rounding); only the
-# write differs, so that nothing synchronizes. (The benchmark puts the repo root on sys.path.)
+# write differs, so that nothing synchronizes.
 from vllm_mla_fusion.backends.reference import cos_sin, rotate
 from vllm_mla_fusion.fp8 import is_fp8, round_for_store
 

@@ -1,4 +1,4 @@
-"""benchmarks/e2e_pool.py: the exact Mann-Whitney test and the pooling of engines over runs."""
+"""benchmarks/e2e/e2e_pool.py: the exact Mann-Whitney test and the pooling of engines over runs."""
 
 from __future__ import annotations
 
@@ -7,13 +7,10 @@ import itertools
 import json
 import random
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import e2e_pool  # noqa: E402
+from benchmarks.e2e import e2e_pool
 
 
 def _u(xs, ys):
@@ -47,10 +44,50 @@ def test_mann_whitney_matches_the_permutation_definition(m, n):
         assert got["p_two_sided"] == pytest.approx(_permutation_p(xs, ys))
 
 
+# (xs, ys, U, p): p as the hand-written exact test computed it (the recurrence on whether the
+# largest value is an x or a y, every U at least as far from m*n/2 as the observed one) before
+# e2e_pool.py used scipy: its values on these samples, computed with benchmarks/e2e_pool.py of
+# commit aab42ee.
+OLD_P = {
+    "1k-TTFT-like 7 vs 7": ([60.4, 58.1, 71.2, 55.0, 63.3, 49.8, 66.7], [51.0, 47.9, 58.6, 44.2, 53.3, 61.5, 49.1],
+                            40.0, 0.05303030303030303),
+    "one each": ([2.0], [1.0], 1.0, 1.0),
+    "2 vs 3": ([3.1, 7.4], [1.2, 5.5, 9.9], 3.0, 1.0),
+    "at the centre": ([1.0, 4.0, 5.0, 8.0], [2.0, 3.0, 6.0, 7.0], 8.0, 1.0),
+    "separated 4 vs 4": ([10.0, 11.0, 12.0, 13.0], [1.0, 2.0, 3.0, 4.0], 16.0, 0.02857142857142857),
+    "lower 5 vs 6": ([40.2, 41.7, 43.9, 45.0, 52.3], [44.1, 47.5, 49.0, 50.6, 53.8, 55.2], 5.0, 0.08225108225108226),
+    "9 vs 10": ([12.0, 15.0, 17.0, 21.0, 22.0, 25.0, 26.0, 30.0, 33.0],
+                [14.0, 16.0, 18.0, 19.0, 20.0, 23.0, 24.0, 27.0, 28.0, 29.0], 47.0, 0.9048258243304683),
+    "two ties, whole U": ([1.0, 2.0, 3.0], [2.0, 3.0, 4.0], 2.0, 0.4),
+}
+
+
+@pytest.mark.parametrize("case", list(OLD_P))
+def test_mann_whitney_gives_the_hand_written_tests_p_values(case):
+    xs, ys, u, p = OLD_P[case]
+    got = e2e_pool.mann_whitney(xs, ys)
+    assert got["u"] == u and got["pairs"] == len(xs) * len(ys)
+    assert got["p_two_sided"] == pytest.approx(p, rel=1e-12)
+    assert e2e_pool.mann_whitney(ys, xs)["p_two_sided"] == pytest.approx(p, rel=1e-12)  # two-sided: symmetric
+
+
+def test_mann_whitney_half_integral_u_takes_the_tail_towards_the_centre():
+    """One tie leaves U = 3.5 of 9 pairs. scipy's exact test takes the no-ties tail from U = 5
+    (max(U, 9 - U) = 5.5, rounded down): p = 2 P(U >= 5) = 1.0. The hand-written test counted every
+    U at least as far from 4.5 (U <= 3 or U >= 6): p = 0.7 (its value at commit aab42ee). The
+    permutation count over the tied values themselves gives 0.8."""
+    xs, ys = [1.0, 2.0, 5.0], [2.0, 3.0, 4.0]
+    got = e2e_pool.mann_whitney(xs, ys)
+    assert got["u"] == 3.5 and got["p_two_sided"] == pytest.approx(1.0)
+    assert _permutation_p(xs, ys) == pytest.approx(0.8)
+
+
 def test_mann_whitney_extremes_and_empty_samples():
     got = e2e_pool.mann_whitney([10.0, 11.0, 12.0, 13.0], [1.0, 2.0, 3.0, 4.0])
-    assert got["u"] == 16 and got["p_two_sided"] == pytest.approx(2 / 70)  # 2 of C(8, 4) splits as extreme
-    assert e2e_pool.mann_whitney([], [1.0]) is None
+    # 2 of the C(8, 4) = 70 splits are as extreme: counted by brute force here.
+    assert got["u"] == 16 and got["p_two_sided"] == pytest.approx(2 / 70)
+    assert _permutation_p([10.0, 11.0, 12.0, 13.0], [1.0, 2.0, 3.0, 4.0]) == pytest.approx(2 / 70)
+    assert e2e_pool.mann_whitney([], [1.0]) is None and e2e_pool.mann_whitney([1.0], []) is None
 
 
 def _engine(index, side, kv, ttft_ms, common_ms=None, error=False):
@@ -127,12 +164,12 @@ def test_main_reads_gzipped_runs_and_refuses_smoke_only_input(tmp_path, capsys):
     out = tmp_path / "pool.md"
     sys_argv = sys.argv
     try:
-        sys.argv = ["e2e_pool.py", str(path), "--out", str(out)]
+        sys.argv = ["e2e_pool", str(path), "--out", str(out)]
         assert e2e_pool.main() == 0
         assert "`h200_x`" in out.read_text() and "| 1 | 1.10 |" in out.read_text()
         smoke = tmp_path / "bench_vllm_e2e_smoke.json"
         smoke.write_text(json.dumps({**report, "config": {"mode": "smoke"}}))
-        sys.argv = ["e2e_pool.py", str(smoke)]
+        sys.argv = ["e2e_pool", str(smoke)]
         assert e2e_pool.main() == 2
     finally:
         sys.argv = sys_argv

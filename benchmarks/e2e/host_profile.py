@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The engine's host time per step, plugin on and off, from sampled Python stacks (issue 20).
 
 One process per side and mode (plugin ``on`` / ``off`` x ``compiled`` / ``eager``), each an
@@ -33,12 +32,12 @@ warm-up window), an in-process SIGALRM sampler takes over (``--sampler signal``;
 costs the sampled thread a few us per sample, alike on both sides).
 
 Per window the JSON records the units run, the window's length, the execute_model / sample_tokens
-host spans and garbage collections (benchmarks/vllm_engine.py ``install_host_timer``), the
+host spans and garbage collections (vllm_engine.py ``install_host_timer``), the
 host-speed probe, gc counters; per side, process-wide facts before and after (gc thresholds,
 threads, profile/trace hooks, torch dispatch modes and TLS keys, dynamo config, Triton hooks,
 vLLM's splitting ops and compiled pieces) and a sync check (``torch.cuda.set_sync_debug_mode``
 over one request per workload: the Python stacks of every synchronising call). The driver
-then writes ``host_profile.md`` (benchmarks/host_profile_report.py: per-step on - off per
+then writes ``host_profile.md`` (host_profile_report.py: per-step on - off per
 region and per function).
 
 py-spy travels to the GPU machine as a wheel in ``.whl/`` (git-ignored; found there and
@@ -51,11 +50,13 @@ On the H200 (after ``scripts/gpu_session.sh install``; ~3.5 minutes for compiled
 compile caches; ``--modes compiled eager`` adds the eager pair in the same time where the
 compiled engines' start-up dominates)::
 
-    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/host_profile.py --out $OUT --deadline-s 225
+    PYTHONPATH=/tmp/site python3 -m benchmarks.e2e.host_profile --out $OUT --deadline-s 225
 
 On this CPU machine (vLLM's CPU platform, CPU_MLA, stand-in kernels, eager; a smaller model)::
 
-    python benchmarks/host_profile.py --cpu --out /tmp/hp --modes eager
+    python -m benchmarks.e2e.host_profile --cpu --out /tmp/hp --modes eager
+
+(from the repository root; the side processes run the same module with ``-m`` there).
 """
 
 from __future__ import annotations
@@ -79,12 +80,11 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-# Importing the benchmark puts the checkout on sys.path and sets vLLM's environment defaults
-# (callables pickled into the engine, no usage stats, no Hub), before vLLM is imported.
-import bench_vllm_e2e as B  # noqa: E402
-import host_profile_report as report  # noqa: E402
-import vllm_engine as E  # noqa: E402
+# Importing the benchmark sets vLLM's environment defaults (callables pickled into the engine,
+# no usage stats, no Hub), before vLLM is imported.
+from . import bench_vllm_e2e as B
+from . import host_profile_report as report
+from . import vllm_engine as E
 
 REPO = B.REPO
 
@@ -677,7 +677,7 @@ def side_env(args) -> dict:
     if args.cpu:
         env.update(VLLM_TARGET_DEVICE="cpu", MLA_FUSION_E2E_CPU_STANDINS="1")
         # One torch thread: on a shared 2-core machine OpenMP's spinning threads made the same
-        # layer call vary 5-50x between rounds (benchmarks/plugin_host_calls.py).
+        # layer call vary 5-50x between rounds (plugin_host_calls.py).
         env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
@@ -695,7 +695,7 @@ def drive(args) -> int:
     args.model_dir = write_model(args)
     names = [f"{m}_{s}" for m in args.modes for s in SIDES]
     procs = {}
-    base = [sys.executable, str(Path(__file__).resolve())] + [x for x in sys.argv[1:] if x != "--cpu"] + (["--cpu"] if args.cpu else [])
+    base = [sys.executable, "-m", "benchmarks.e2e.host_profile"] + [x for x in sys.argv[1:] if x != "--cpu"] + (["--cpu"] if args.cpu else [])
     for name in names:
         mode, side = name.split("_")
         logf = open(out / f"host_profile_{name}.log", "w")

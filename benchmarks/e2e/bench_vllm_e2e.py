@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """End to end inside vLLM: DeepSeek-V3 (61 MLA layers, TP8-rank shapes) served with the plugin on and off.
 
 What a vLLM user runs, on one GPU: ``vllm.LLM`` with its serving defaults
@@ -17,7 +16,7 @@ per engine:
    token, TTFT (each shape runs once untimed first);
 3. GPU time: one torch-profiler session (vLLM's ``profiler_config``) over B requests x
    (1 + K) tokens for each B and one prefill per L; every engine step's kernels
-   (benchmarks/vllm_trace.py); per decode step of batch B: the sum of kernel durations
+   (benchmarks/e2e/vllm_trace.py); per decode step of batch B: the sum of kernel durations
    and the busy time (union of GPU intervals), median over the steps;
 4. timing passes 1 .. ``--repeats``-1, as far as the deadline allows.
 
@@ -35,9 +34,12 @@ against RoPE + cache write (sweep section, op 1 at T = batch) where it takes
 
 Usage::
 
-    python benchmarks/bench_vllm_e2e.py --out $OUT --tag part1 --kv-cache-dtypes auto --runs 2 --deadline-s 510
-    python benchmarks/bench_vllm_e2e.py --out $OUT --tag part2 --kv-cache-dtypes fp8 --runs 2 --extra-pairs auto
-    python benchmarks/bench_vllm_e2e.py --smoke --out /tmp/e2e      # CPU: same code paths, numbers meaningless
+    python -m benchmarks.e2e.bench_vllm_e2e --out $OUT --tag part1 --kv-cache-dtypes auto --runs 2 --deadline-s 510
+    python -m benchmarks.e2e.bench_vllm_e2e --out $OUT --tag part2 --kv-cache-dtypes fp8 --runs 2 --extra-pairs auto
+    python -m benchmarks.e2e.bench_vllm_e2e --smoke --out /tmp/e2e      # CPU: same code paths, numbers meaningless
+
+(from the repository root: the engine core and its workers import this module, the demo and
+the test harness by package name).
 
 Writes ``bench_vllm_e2e_<tag>.json`` (rewritten after every section), ``.md`` and ``.png``.
 The driver never initialises CUDA, so vLLM can fork the engine core.
@@ -59,11 +61,8 @@ import time
 import traceback
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
-REPO = BENCH_DIR.parent
-for _p in (str(BENCH_DIR), str(REPO)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmarks" / "results"
 
 # Read by vLLM lazily, so set before it is imported: callables sent to the engine process
 # (apply_model / collective_rpc) need pickling; no usage reporting; local model dir.
@@ -104,7 +103,7 @@ DSV3_TP8_CONFIG = {
 }
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFILL_LENS = (1024, 4096, 16384)
-KERNEL_BENCH_JSON = BENCH_DIR / "results" / "bench_mla_rope_cache.json"
+KERNEL_BENCH_JSON = RESULTS / "bench_mla_rope_cache.json"
 # For the deadline (seconds), until measured: a cold engine start (compile + capture of 61
 # layers), a warm one (vLLM loads the AOT artifact its side compiled before), the least
 # measuring worth starting an engine for, the profiling session, teardown.
@@ -201,7 +200,7 @@ def timed(llm, prompts, max_tokens: int) -> float:
 
 def timed_with_host(llm, prompts, max_tokens: int) -> tuple[float, dict]:
     """``timed``, plus the engine's host record of the request (vllm_engine.install_host_timer)."""
-    import vllm_engine as E
+    from . import vllm_engine as E
 
     llm.collective_rpc(E.read_host_timer)  # drop what earlier requests left
     t = timed(llm, prompts, max_tokens)
@@ -235,7 +234,7 @@ class Bench:
         self.cores: dict = {}
         # GPU memory in use before any engine (nvidia-smi): an engine's memory counts as released
         # once usage is back near it (the next engine's start checks free >= 90% of the GPU).
-        import vllm_engine as E
+        from . import vllm_engine as E
 
         self.gpu_baseline_mib = None if args.smoke else E.wait_gpu_memory_released(float("inf"), timeout_s=0)
         self.report["environment"]["gpu_used_mib_before"] = self.gpu_baseline_mib
@@ -280,7 +279,7 @@ class Bench:
         }
 
     def llm_kwargs(self, kv: str, prof_dir: Path) -> dict:
-        import vllm_engine as E
+        from . import vllm_engine as E
 
         a = self.args
         max_len = max(max(a.prefill_lens), a.prompt_len + a.decode_tokens + a.profile_decode_steps) + 256
@@ -337,7 +336,7 @@ class Bench:
         return self.start_estimate(kv, side) + (max(core) if core else self.min_measure_s) + TEARDOWN_S
 
     def run(self) -> int:
-        import vllm_engine as E
+        from . import vllm_engine as E
 
         a = self.args
         eps = E.entry_points()
@@ -397,7 +396,7 @@ class Bench:
         """Start one engine, measure, tear down. Sections, in order: first request; one timing pass
         over every decode batch and prefill length; the profiling session; further timing passes
         while ``engine_deadline`` (seconds since the benchmark started) allows."""
-        import vllm_engine as E
+        from . import vllm_engine as E
         from vllm import LLM
 
         a = self.args
@@ -507,7 +506,7 @@ class Bench:
             tpot = 1e3 * (d["tN_s"][-1] - d["t1_s"][-1]) / (n - 1)
             log(f"  pass {r} decode B={b:4d}: TPOT {tpot:.3f} ms")
         if a.host_regions:
-            import vllm_engine as E
+            from . import vllm_engine as E
 
             probe = llm.collective_rpc(E.host_speed_probe)[0]
             rec.setdefault("host_probe", []).append(probe)
@@ -537,8 +536,8 @@ class Bench:
             p["execute_model_ms_median"] = med(execs) if execs else None
 
     def profile(self, llm, prompts: Prompts, prof_dir: Path, idx: int) -> dict:
-        import vllm_engine as E
-        import vllm_trace as T
+        from . import vllm_engine as E
+        from . import vllm_trace as T
 
         a = self.args
         k = a.profile_decode_steps
@@ -719,7 +718,7 @@ def summarize(report, args) -> dict:
                    for e in eng] for s, eng in (("on", on), ("off", off))}  # fmt: skip
         diffs = {}
         if on and off:
-            import vllm_trace as T
+            from . import vllm_trace as T
 
             for b in sorted({args.decode_batches[0], args.decode_batches[-1]}):
                 try:
@@ -899,7 +898,7 @@ def write_markdown(report, path: Path) -> None:
                              f"{_f(row['off_us'])} | {_f(row['on_us'])} | {row['on_us'] - row['off_us']:+.1f} |")  # fmt: skip
             lines.append("")
         if r.get("kernel_diff"):
-            import vllm_trace as T
+            from . import vllm_trace as T
 
             for b, diff in r["kernel_diff"].items():
                 lines += [f"Decode step at B={b}, first on engine vs first off engine, kernels by name (where the "
@@ -1012,7 +1011,7 @@ def environment(args) -> dict:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(BENCH_DIR / "results"), help="folder for the JSON, markdown and plot")
+    ap.add_argument("--out", default=str(RESULTS), help="folder for the JSON, markdown and plot")
     ap.add_argument("--tag", default="h200", help="file name suffix: bench_vllm_e2e_<tag>.*")
     ap.add_argument("--work-dir", default=None, help="model dir, compile caches, traces (default: under --out)")
     ap.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=["auto", "fp8"])

@@ -1,6 +1,6 @@
 """The benchmark's CPU smoke mode runs end to end and writes the JSON it promises.
 
-``benchmarks/bench_mla_rope_cache.py --smoke`` runs every code path of the GPU
+``python -m benchmarks.kernels.bench_mla_rope_cache --smoke`` runs every code path of the GPU
 benchmark that a CPU can run (inputs, implementations, output checks against
 the torch reference, timing bookkeeping, tables, targets) on tiny shapes,
 with Triton's interpreter and no CUDA graphs. Its numbers mean nothing; this
@@ -19,18 +19,17 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "benchmarks" / "bench_mla_rope_cache.py"
+REPO = Path(__file__).resolve().parents[3]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_smoke")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
     env.pop("VLLM_MLA_FUSION_BACKEND", None)
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--no-plot", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.kernels.bench_mla_rope_cache", "--smoke", "--no-plot", "--out", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, f"smoke run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
@@ -156,8 +155,7 @@ def _row(impl: str, op: str, T: int, us: float, efficiency: float = 0.95) -> dic
 def test_target_verdicts_on_known_rows(change, verdicts):
     """The targets' arithmetic on hand-made rows (the smoke run's numbers never meet any): launch time
     2 us, so 3 us is the launch bound; decode 2x the unfused chain; a peer 1.15x in geomean, never faster."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import bench_mla_rope_cache as B
+    from benchmarks.kernels import bench_mla_rope_cache as B
 
     values = {"triton prefill efficiency": 0.95, "triton decode us": 2.0, "vllm_fused decode us": 2.2}
     values.update(change or {})

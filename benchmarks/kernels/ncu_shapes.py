@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Launches of the kernel at the shapes whose efficiency targets are missed, for Nsight Compute.
 
 Each shape runs twice in vLLM's layouts (q_pe a view of q, k_pe a view of the kv_a
@@ -8,7 +7,7 @@ every launch of the kernel it is told to profile:
 
     ncu --clock-control none -k regex:_mla_rope_cache_kernel --launch-skip-before-match 0 \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \\
-        --section WarpStateStats --section LaunchStats python3 benchmarks/ncu_shapes.py
+        --section WarpStateStats --section LaunchStats python3 -m benchmarks.kernels.ncu_shapes
 
 (scripts/gpu_check.sh ncu does this and keeps the report.) Prints the order of the launches,
 so that the report's kernels can be matched to shapes.
@@ -17,13 +16,10 @@ so that the report's kernels can be matched to shapes.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import vllm_mla_fusion as mla  # noqa: E402
+import vllm_mla_fusion as mla
 
 L, R, P, V, MAX_POS, BLOCK = 512, 64, 128, 128, 163840, 64
 # (op, heads, tokens): issue 10's missed targets.

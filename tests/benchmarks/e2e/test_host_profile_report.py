@@ -1,4 +1,4 @@
-"""benchmarks/host_profile_report.py on fabricated collapsed stacks: parsing, per-step
+"""benchmarks/e2e/host_profile_report.py on fabricated collapsed stacks: parsing, per-step
 normalisation, attribution to regions and functions, and the on - off difference."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from . import benchmark_module
+from benchmarks.e2e import host_profile_report
 
 SITE = "/usr/lib/python3/site-packages/"
 MLA = SITE + "vllm/model_executor/layers/attention/mla_attention.py"
@@ -18,7 +18,7 @@ PLUGIN = "/work/checkout/vllm_mla_fusion/"
 
 @pytest.fixture(scope="module")
 def R():
-    return benchmark_module.load("host_profile_report")
+    return host_profile_report
 
 
 def frame(function: str, path: str, line: int = 1) -> str:

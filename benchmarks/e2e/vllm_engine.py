@@ -1,8 +1,10 @@
 """vLLM engines with the plugin on or off, and what they report about themselves.
 
-Shared by the GPU integration tests (tests/vllm_plugin_gpu/) and the end-to-end
-benchmark (benchmarks/bench_vllm_e2e.py), and exercised on the CPU by their smoke
-runs.
+The one engine harness of this repository, imported as ``benchmarks.e2e.vllm_engine``:
+shared by the GPU integration tests (tests/vllm_plugin_gpu/), the AMX test
+(tests/vllm_plugin/amx_mla_engine.py), the end-to-end benchmarks of this section
+(bench_vllm_e2e.py, host_profile.py) and the serving benchmark's profiler settings,
+and exercised on the CPU by their smoke runs.
 
 Turning the plugin on or off between engines of one process (``set_plugin``):
 vLLM calls general plugins once per process (``vllm/plugins/__init__.py``,
@@ -118,7 +120,7 @@ def profiler_config(directory: str) -> dict:
 
 def profile(llm, directory: str, prefix: str, work, wait_s: float = 60.0) -> str:
     """Run ``work()`` inside one profiling session; the path of the trace it wrote."""
-    import vllm_trace
+    from . import vllm_trace
 
     before = set(vllm_trace.find_traces(directory, prefix))
     llm.start_profile(profile_prefix=prefix)
@@ -145,7 +147,7 @@ def profile(llm, directory: str, prefix: str, work, wait_s: float = 60.0) -> str
 def census(trace_path: str) -> dict:
     """Per engine step: kind, token counts, the kernels it launched (short name -> count),
     our kernel's launches, vLLM's chain kernels, the counted CPU ops and GPU time."""
-    import vllm_trace
+    from . import vllm_trace
 
     trace = vllm_trace.load(trace_path)
     steps = vllm_trace.parse_steps(trace, CENSUS_CPU_OPS)

@@ -29,13 +29,13 @@ import torch
 def load_aiter_triton():
     """AITER's Triton ``fused_qk_rope_cat_and_cache_mla`` (through ``aiter_triton_peer``), or why not.
 
-    The loader (benchmarks/aiter_triton_peer.py) finds the files that
+    The loader (benchmarks/kernels/aiter_triton_peer.py) finds the files that
     scripts/fetch_aiter_triton.sh unpacks (``VLLM_MLA_FUSION_AITER_TRITON_PATH``,
     default ``<repo>/third_party_aiter``).
     """
     if not torch.cuda.is_available():
         return None, "needs a GPU"
-    import aiter_triton_peer  # noqa: PLC0415 - benchmarks/ is on sys.path when the benchmark runs
+    from . import aiter_triton_peer  # noqa: PLC0415
 
     op = aiter_triton_peer.load()
     if op is None:

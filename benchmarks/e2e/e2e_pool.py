@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Issue 13's targets judged over several end-to-end runs at once.
 
 One run of ``bench_vllm_e2e.py`` has 1-3 engines per side, and the lent machines' host
@@ -17,7 +16,7 @@ one run. This script reads the JSON of several runs and reports, per KV-cache dt
   and, where they have it, the engine's host-speed probe (fixed work that neither side's
   code runs: a slower process shows there, a costlier plugin does not).
 
-    python benchmarks/e2e_pool.py benchmarks/results/bench_vllm_e2e_h200*.json* --out /tmp/pool.md
+    python -m benchmarks.e2e.e2e_pool benchmarks/results/bench_vllm_e2e_h200*.json* --out /tmp/pool.md
 """
 
 from __future__ import annotations
@@ -26,12 +25,11 @@ import argparse
 import gzip
 import json
 import sys
-from functools import lru_cache
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scipy.stats import mannwhitneyu
 
-from bench_vllm_e2e import _host_split, med  # noqa: E402
+from .bench_vllm_e2e import _host_split, med
 
 
 def load(path: Path) -> dict:
@@ -40,33 +38,16 @@ def load(path: Path) -> dict:
         return json.load(f)
 
 
-@lru_cache(maxsize=None)
-def _u_counts(m: int, n: int) -> tuple[int, ...]:
-    """How many of the C(m+n, m) rankings give each U = 0 .. m*n (no ties): the exact null
-    distribution, by the recurrence on whether the largest value is an x or a y."""
-    if m == 0 or n == 0:
-        return (1,)
-    with_x = _u_counts(m - 1, n)  # the largest is an x: it beats all n y's
-    with_y = _u_counts(m, n - 1)
-    out = [0] * (m * n + 1)
-    for u, c in enumerate(with_x):
-        out[u + n] += c
-    for u, c in enumerate(with_y):
-        out[u] += c
-    return tuple(out)
-
-
 def mann_whitney(xs: list[float], ys: list[float]) -> dict | None:
-    """U = #(x > y) + #(x == y) / 2 over all pairs, and the exact two-sided p of a U at least
-    as far from m*n/2 (ties are rare in wall times and are counted as halves)."""
-    m, n = len(xs), len(ys)
-    if m == 0 or n == 0:
+    """U = #(x > y) + #(x == y) / 2 over all pairs, and the exact two-sided p of a U at least as far
+    from m*n/2 (``scipy.stats.mannwhitneyu``, ``method="exact"``: the no-ties null distribution).
+    Ties are rare in wall times; where one leaves U half-integral, scipy takes the tail from the
+    whole number next towards the centre (a larger p than counting the half: tests/benchmarks/e2e/
+    test_e2e_pool.py)."""
+    if not xs or not ys:
         return None
-    u = sum((x > y) + 0.5 * (x == y) for x in xs for y in ys)
-    counts = _u_counts(m, n)
-    centre = m * n / 2
-    far = sum(c for k, c in enumerate(counts) if abs(k - centre) >= abs(u - centre) - 1e-9)
-    return {"u": u, "pairs": m * n, "p_two_sided": min(1.0, far / sum(counts))}
+    res = mannwhitneyu(xs, ys, alternative="two-sided", method="exact")
+    return {"u": float(res.statistic), "pairs": len(xs) * len(ys), "p_two_sided": float(res.pvalue)}
 
 
 def _ttft_ms(side: str, p: dict) -> float | None:
@@ -146,7 +127,7 @@ def _f(x, fmt="{:.2f}") -> str:
 
 
 def markdown(pooled: dict, names: list[str]) -> str:
-    lines = ["# End-to-end runs pooled (benchmarks/e2e_pool.py)", "", "Runs: " + ", ".join(f"`{n}`" for n in names), ""]
+    lines = ["# End-to-end runs pooled (benchmarks/e2e/e2e_pool.py)", "", "Runs: " + ", ".join(f"`{n}`" for n in names), ""]
     for kv, k in pooled.items():
         lines += [f"## KV cache {kv}", "", "GPU busy time saved per decode step over the prediction, per run:", "",
                   "| B | " + " | ".join(names) + " | median | min | runs with a lower GPU time |",

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Where a step's extra host milliseconds go: two sides' sampled Python stacks, attributed per step.
 
-Reads what ``benchmarks/host_profile.py`` writes into one folder: per side (plugin ``on`` /
+Reads what ``benchmarks/e2e/host_profile.py`` writes into one folder: per side (plugin ``on`` /
 ``off``) and mode (``compiled`` / ``eager``) a ``host_profile_<mode>_<side>.json`` listing its
 measurement windows (workload, units measured, window length, the timed ``execute_model``
 calls, garbage collections) and, per window, the main thread's sampled stacks as a collapsed
@@ -23,7 +22,7 @@ record instead. The markdown lists on - off per region and per function, largest
 checks the samples against the timer: the ``execute_model`` region, sampled, against
 ``execute_model``'s timed host span.
 
-    python benchmarks/host_profile_report.py OUT_DIR [--mode compiled] [--top 25]
+    python -m benchmarks.e2e.host_profile_report OUT_DIR [--mode compiled] [--top 25]
 """
 
 from __future__ import annotations
@@ -204,7 +203,7 @@ REGIONS = (
     region("Triton runtime: launcher / JIT (triton/runtime, triton/backends)", "triton/runtime/",
            also=(Pattern("triton/backends/"), Pattern("triton/compiler/"))),  # fmt: skip
     region("logging", "/logging/"),
-    region("in-process sampler's signal handler (--sampler signal)", "benchmarks/host_profile.py", "on_alarm"),
+    region("in-process sampler's signal handler (--sampler signal)", "benchmarks/e2e/host_profile.py", "on_alarm"),
 )
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/vllm_trace.py on synthetic traces shaped like torch.profiler's Chrome export of a vLLM worker."""
+"""benchmarks/e2e/vllm_trace.py on synthetic traces shaped like torch.profiler's Chrome export of a vLLM worker."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import os
 
 import pytest
 
-from . import benchmark_module
+from benchmarks.e2e import vllm_trace
 
 
 @pytest.fixture(scope="module")
 def T():
-    return benchmark_module.load("vllm_trace")
+    return vllm_trace
 
 
 class Trace:

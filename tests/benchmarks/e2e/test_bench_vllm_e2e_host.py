@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-from . import benchmark_module
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from benchmarks.e2e import vllm_engine
 
 
 @pytest.fixture(scope="module")
 def B():
-    return benchmark_module.load("bench_vllm_e2e")
+    from benchmarks.e2e import bench_vllm_e2e  # sets vLLM's environment defaults when imported
+
+    return bench_vllm_e2e
 
 
 def _request(side: str, speed: float, common: float, attention: float, pieces: float, rest: float) -> dict:
@@ -75,9 +72,6 @@ def test_pairs_alternate_which_side_goes_first(B):
 
 
 def test_host_speed_probe_times_fixed_work():
-    sys.path.insert(0, str(BENCH))
-    import vllm_engine
-
     probe = vllm_engine.host_speed_probe(None)
     # ~50-300 us per 1000 dict iterations and ~1-10 us per slice on the machines seen so far.
     assert 1 < probe["python_us_per_1k"] < 10_000 and 0.05 < probe["torch_slice_us"] < 1_000

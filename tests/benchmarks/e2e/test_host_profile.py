@@ -1,4 +1,4 @@
-"""benchmarks/host_profile.py: its samplers on a known workload, the process facts it compares,
+"""benchmarks/e2e/host_profile.py: its samplers on a known workload, the process facts it compares,
 and (slow) one CPU run end to end, both sides, through the report."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from . import benchmark_module
-
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
 def HP():
-    return benchmark_module.load("host_profile")
+    from benchmarks.e2e import host_profile  # sets vLLM's environment defaults when imported
+
+    return host_profile
 
 
 def spin_for(seconds: float) -> int:
@@ -98,7 +98,7 @@ def test_cpu_run_both_sides_through_the_report(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_MLA_FUSION")}
     env.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1")
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "host_profile.py"), "--cpu", "--sampler", "signal", "--out",
+        [sys.executable, "-m", "benchmarks.e2e.host_profile", "--cpu", "--sampler", "signal", "--out",
          str(out), "--work-dir", str(tmp_path / "work"), "--layers", "2", "--prefill-lens", "32",
          "--prefill-requests", "2", "--mixed-decoders", "2", "--mixed-prefill", "32", "--mixed-rounds", "1",
          "--rounds", "2", "--rate", "200", "--deadline-s", "500"],
