@@ -20,6 +20,14 @@ Conventions (docs/performance-history.md, "Method"):
 
 Without a GPU (``--smoke``) everything falls back to host wall-clock timing so
 that the code paths run; those numbers mean nothing.
+
+Why not ``triton.testing.do_bench_cudagraph``: it captures ``fn()`` unrolled on one set of
+inputs, so every call after the first finds its inputs in the L2 wherever the working set fits
+there (50 MB on an H200: a decode step's tensors up to a few hundred tokens), which a layer in a
+served model never does (the other layers' weights and activations have evicted them). Ours
+rotates the input sets per call. A closure advancing a counter would make ``do_bench_cudagraph``
+rotate too (the counter advances while the graph is captured); switching to it is left until the
+two can be compared on a GPU, since the published numbers come from this helper.
 """
 
 from __future__ import annotations
