@@ -217,9 +217,11 @@ def compile_variant(machine, target, v: Variant, asm: str, dump: Path | None = N
 
 def compile_in_subprocesses(module: str, archs, timeout: float = 900) -> dict:
     """``python -m module --json ARCH`` for each arch, in parallel processes without
-    ``TRITON_INTERPRET`` (as tests run them): the results by ``(arch, op, label)``."""
+    ``TRITON_INTERPRET`` and with the plugin's own switches at their defaults (no
+    ``VLLM_MLA_FUSION_*``: ``VLLM_MLA_FUSION_PDL=0`` would drop PDL): the results by
+    ``(arch, op, label)``."""
     repo = Path(__file__).resolve().parent.parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and not k.startswith("VLLM_MLA_FUSION")}
     procs = {
         arch: subprocess.Popen([sys.executable, "-m", module, "--json", arch], cwd=repo, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
