@@ -13,19 +13,13 @@ numbers go into docs/rocm.md (``python -m tests.rocm_compile --update-docs``).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("triton", reason="compiles the Triton kernel")
 
+from ..aot_compile import compile_in_subprocesses  # noqa: E402
 from ..rocm_compile import ARCHS, FP8, variants  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 # The e4m3 flavour (and e5m2) each chip converts in hardware, as this project documents it
 # (docs/rocm.md): gfx942 the fnuz type, gfx950 the OCP ones.
 NATIVE = {"gfx942": {"float8_e4m3fnuz"}, "gfx950": {"float8_e4m3fn", "float8_e5m2"}}
@@ -42,19 +36,7 @@ VARIANTS = variants()
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    procs = {
-        arch: subprocess.Popen([sys.executable, "-m", "tests.rocm_compile", "--json", arch], cwd=REPO, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-        for arch in ARCHS
-    }
-    results = {}
-    for arch, proc in procs.items():
-        out, err = proc.communicate(timeout=900)
-        assert proc.returncode == 0, f"compiling for {arch} failed:\n{err[-6000:]}"
-        for r in json.loads(out):
-            results[(r["arch"], r["op"], r["label"])] = r
-    return results
+    return compile_in_subprocesses("tests.rocm_compile", ARCHS)
 
 
 def _result(compiled, arch, v):
