@@ -498,7 +498,7 @@ def _pdl_ok(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-# Set by benchmarks/tune_launch.py to time other launch configurations, and by
+# Set by benchmarks/kernels/tune_launch.py to time other launch configurations, and by
 # forced_launch_config while kernels are compiled ahead of use; None in normal use.
 LAUNCH_CONFIG_OVERRIDE: dict | None = None
 
@@ -550,7 +550,7 @@ def _launch_config_for(p: Problem, op: int, sms: int, pdl: bool) -> dict:
     BLOCK_N = min(_pow2(max(nope, 1)), 512)
     row_elems = nope + R
     rows = p.num_tokens * H
-    # Measured on an H200 (benchmarks/tune_launch.py, docs/performance-history.md): ~4K-element
+    # Measured on an H200 (benchmarks/kernels/tune_launch.py, docs/performance-history.md): ~4K-element
     # tiles, except op 1 with few heads, where 2K-element tiles (32 rows of 64) won by ~12%.
     # Op 3 moves two row widths per row (q_pe and the key): 4K-element tiles cost 168
     # registers a thread (3 programs per SM); 2K-element ones 96.
