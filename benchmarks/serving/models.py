@@ -113,10 +113,8 @@ MODELS = {
 # (its warm-up walked 451 of 2020 GEMM shapes in 125 s on the first H200 attempt, after 168 s of
 # graph capture; the server missed a 420 s start limit) and a lent machine keeps no cache between
 # leases. The attention, where the plugin acts, is the same either way.
-SERVER_ENV = {
-    "fp8-moe": {"VLLM_USE_DEEP_GEMM": "0", "VLLM_MOE_USE_DEEP_GEMM": "0"},
-    "full": {"VLLM_USE_DEEP_GEMM": "0", "VLLM_MOE_USE_DEEP_GEMM": "0"},
-}
+_WITHOUT_DEEP_GEMM = {"VLLM_USE_DEEP_GEMM": "0", "VLLM_MOE_USE_DEEP_GEMM": "0"}
+SERVER_ENV = {"fp8-moe": _WITHOUT_DEEP_GEMM, "full": _WITHOUT_DEEP_GEMM}
 # Seconds a server may take to answer /health: a cold fp8 server captures 51 graph sizes whose fp8
 # MoE kernels compile per size (168 s of the first attempt's start at 20 layers).
 START_TIMEOUT_S = {"dense": 420.0, "fp8-moe": 560.0, "full": 560.0}

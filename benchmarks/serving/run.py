@@ -225,7 +225,7 @@ class Benchmark:
     def start_timeout_s(self) -> float:
         if self.args.start_timeout_s is not None:
             return self.args.start_timeout_s
-        return models.START_TIMEOUT_S.get(self.args.model, 420.0)
+        return models.START_TIMEOUT_S.get(self.args.model, models.START_TIMEOUT_S["dense"])
 
     def side_env(self, side: Side) -> dict[str, str]:
         env = side.server_env(self.base_env())

@@ -10,6 +10,8 @@ import json
 import math
 from pathlib import Path
 
+from .workload import GRAPH_ROPE
+
 PLUGIN_CLASS = "FusedMultiHeadLatentAttentionWrapper"
 VLLM_CLASS = "MultiHeadLatentAttentionWrapper"
 # Kernels of vLLM's replaced chain that nothing else in the model launches.
@@ -103,7 +105,7 @@ def check_graph_mode(rec: dict) -> str:
         assert "FULL" in mode, f"compiled engine resolved CUDA-graph mode {mode}, expected full decode graphs"
         assert f.get("full_graphs"), f"no FULL graph was captured: {f.get('captured')}"
         assert p["full_replays"] > 0, f"no step replayed a FULL graph: {p}"
-        if ["VLLM_MLA_FUSION_GRAPH_ROPE", "1"] in rec["case"]["plugin_env"]:  # workload.GRAPH_ROPE, from JSON
+        if tuple(map(tuple, rec["case"]["plugin_env"])) == GRAPH_ROPE:
             # A graph-rope case: its prefill and mixed steps must run in piecewise graphs, or the
             # graph op it is about never ran in one.
             assert p["piecewise_replays"] > 0, f"no step replayed a piecewise graph: {p}"
