@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch.library import opcheck
@@ -110,6 +112,35 @@ def test_auto_dispatch_on_cpu_uses_torch(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         dispatch.resolve(None, torch.device("cpu"), decode=False)
+
+
+@pytest.mark.parametrize("value", [None, "", "0", "1", " Triton ", "caf\u00e9", "\udcff-undecodable"])
+def test_the_fast_environment_read_answers_what_os_environ_answers(monkeypatch, value):
+    """The public ops' per-call read of their switches (dispatch.environment_value) sees every
+    write through os.environ at once, decodes as os.environ does, and falls back to the mapping
+    when os.environ is no CPython _Environ."""
+    name = "VLLM_MLA_FUSION_TEST_SWITCH"
+    if value is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, value)
+    assert dispatch.environment_value(name) == os.environ.get(name) == value
+    monkeypatch.setenv(name, "changed")
+    assert dispatch.environment_value(name) == "changed"
+    monkeypatch.delenv(name)
+    assert dispatch.environment_value(name) is None
+    monkeypatch.setattr(os, "environ", {name: "from a plain mapping"})
+    assert dispatch.environment_value(name) == "from a plain mapping"
+
+
+def test_the_public_ops_follow_their_switches_between_calls(monkeypatch):
+    case = make_case(T=2, H=1, seed=4)
+    monkeypatch.setenv("VLLM_MLA_FUSION_BACKEND", "no-such-backend")
+    with pytest.raises(ValueError, match="VLLM_MLA_FUSION_BACKEND"):
+        mla.mla_rope_cache_write(*case.rope_args())
+    monkeypatch.setenv("VLLM_MLA_FUSION_BACKEND", "torch")
+    mla.mla_rope_cache_write(*case.rope_args())
+    check_rope_cache_write(case)
 
 
 def test_keyword_overrides_environment(monkeypatch):

@@ -12,12 +12,12 @@ device, so they are skipped while a CUDA graph is being captured.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from . import fp8
+from .dispatch import environment_value
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -303,7 +303,7 @@ def check_prefill_rope_cache_write(
 
 
 def debug_enabled() -> bool:
-    return os.environ.get("VLLM_MLA_FUSION_DEBUG", "0") not in ("", "0")
+    return environment_value("VLLM_MLA_FUSION_DEBUG") not in (None, "", "0")
 
 
 def _debug_check_indices(p: Problem, positions, slot_mapping, cos_sin_cache, kv_cache) -> None:
