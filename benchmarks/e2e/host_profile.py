@@ -299,6 +299,7 @@ def process_facts() -> dict:
         "switch_interval_s": sys.getswitchinterval(),
         "modules_loaded": len(sys.modules),
         "cpu_affinity": len(os.sched_getaffinity(0)),
+        "cpu_set": sorted(os.sched_getaffinity(0)),
         "torch_num_threads": torch.get_num_threads(),
         "grad_enabled": torch.is_grad_enabled(),
         "inference_mode": torch.is_inference_mode_enabled(),
@@ -682,6 +683,45 @@ def side_env(args) -> dict:
     return env
 
 
+def physical_cores(cpus: set[int] | None = None) -> list[list[int]]:
+    """The CPUs this process may use, grouped by physical core (SMT siblings together, from sysfs;
+    one CPU per group where the topology cannot be read), in CPU order."""
+    cpus = set(os.sched_getaffinity(0) if cpus is None else cpus)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for cpu in sorted(cpus):
+        try:
+            text = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text()
+            siblings = tuple(sorted(cpus & _cpu_list(text))) or (cpu,)
+        except OSError:
+            siblings = (cpu,)
+        groups.setdefault(siblings, list(siblings))
+    return sorted(groups.values())
+
+
+def _cpu_list(text: str) -> set[int]:
+    """A sysfs CPU list such as ``0-3,8,10-11``."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def cpu_sets(names: list[str], cores: list[list[int]]) -> dict[str, list[int]]:
+    """Disjoint CPU sets of whole physical cores, one per side process, as many cores each as fit.
+
+    Why: the first H200 profile (2026-12-02) found the same interpreter loop taking 90 us in some
+    blocks and 140-176 us in others, in both processes, with the slow readings falling mostly on
+    the plugin's side. Unpinned, a side's main thread may share a physical core with the other
+    engine's threads or with its py-spy; pinned, each side owns its cores (py-spy, started by the
+    side, inherits them)."""
+    per = len(cores) // len(names)
+    if per < 1:
+        raise ValueError(f"{len(cores)} physical cores cannot give {len(names)} side processes one each")
+    return {name: sorted(c for core in cores[i * per:(i + 1) * per] for c in core) for i, name in enumerate(names)}
+
+
 def drive(args) -> int:
     """Start every (mode, side) process, wait until all are warm, hand out the measuring blocks one
     at a time, then write the report. Keeps inside ``--deadline-s``."""
@@ -695,13 +735,17 @@ def drive(args) -> int:
     args.model_dir = write_model(args)
     names = [f"{m}_{s}" for m in args.modes for s in SIDES]
     procs = {}
+    pins = cpu_sets(names, physical_cores()) if args.pin_cpus else {}
     base = [sys.executable, "-m", "benchmarks.e2e.host_profile"] + [x for x in sys.argv[1:] if x != "--cpu"] + (["--cpu"] if args.cpu else [])
     for name in names:
         mode, side = name.split("_")
         logf = open(out / f"host_profile_{name}.log", "w")
         cmd = base + ["--side", side, "--mode", mode, "--control", str(control), "--model-dir", args.model_dir]
-        procs[name] = subprocess.Popen(cmd, cwd=REPO, env=side_env(args), stdout=logf, stderr=subprocess.STDOUT)
-    log(f"started {names} (pids {[p.pid for p in procs.values()]})")
+        # Pinned before exec: every thread the side starts, and its py-spy, inherit the set.
+        pin = (lambda cpus=pins[name]: os.sched_setaffinity(0, cpus)) if name in pins else None
+        procs[name] = subprocess.Popen(cmd, cwd=REPO, env=side_env(args), stdout=logf, stderr=subprocess.STDOUT,
+                                       preexec_fn=pin)  # fmt: skip
+    log(f"started {names} (pids {[p.pid for p in procs.values()]}; CPUs {pins or 'not pinned'})")
 
     def left() -> float:
         return args.deadline_s - (time.monotonic() - t0)
@@ -713,7 +757,7 @@ def drive(args) -> int:
         time.sleep(0.2)
     ready = [n for n in names if state(n, "ready")]
     log(f"warm after {time.monotonic() - t0:.0f} s: {ready}; not: {sorted(set(names) - set(ready))}")
-    summary = {"started": names, "ready": ready, "ready_s": time.monotonic() - t0, "blocks": [], "skipped": []}
+    summary = {"started": names, "cpu_sets": pins, "ready": ready, "ready_s": time.monotonic() - t0, "blocks": [], "skipped": []}
     block_s = 0.0
     for r in range(args.rounds):
         order = [f"{m}_{s}" for m in args.modes for s in (SIDES if r % 2 == 0 else SIDES[::-1])]
@@ -796,6 +840,8 @@ def parse_args(argv=None):
     ap.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache per engine (default 4; CPU 0.25)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None,
                     help="per engine (default 0.9 / number of engines)")
+    ap.add_argument("--pin-cpus", action="store_true",
+                    help="give each side process its own physical cores (cpu_sets: why)")
     ap.add_argument("--deadline-s", type=float, default=225.0, help="the driver hands out no block that would end later")
     ap.add_argument("--exit-reserve-s", type=float, default=15.0)
     ap.add_argument("--cpu", action="store_true", help="vLLM's CPU platform, CPU_MLA, stand-in kernels, the tiny model")

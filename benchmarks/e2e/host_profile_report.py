@@ -419,15 +419,29 @@ def build_report(folder: Path, modes: list[str] | None = None, top: int = 25, mi
         lines += [f"## {mode}", ""]
         for s in ("off", "on"):
             sampler = meta[s].get("sampler", {})
+            cpus = (meta[s].get("process_before") or {}).get("cpu_set")
+            probes = " ".join(f"{p['python_us_per_1k']:.0f}" for p in meta[s].get("host_probe", []) if "python_us_per_1k" in p)
             lines.append(f"- {s}: engine {meta[s].get('engine', 'in-process')}, start {_f(meta[s].get('start_s'), '{:.0f}')} s; "
                          f"sampler {sampler.get('kind')} at {sampler.get('rate_hz')} Hz; "
-                         f"host probe {meta[s].get('host_probe_summary')}")  # fmt: skip
+                         f"host probe {meta[s].get('host_probe_summary')} (before and after each block, in order: "
+                         f"{probes or '-'}); CPUs {_cpu_ranges(cpus) if cpus else '-'}")  # fmt: skip
         lines.append("")
         for workload in sorted({w.workload for w in on_windows} & {w.workload for w in off_windows}):
             off = summarize_side([w for w in off_windows if w.workload == workload])
             on = summarize_side([w for w in on_windows if w.workload == workload])
             lines += compare_workload(off, on, workload, top, min_abs_ms)
     return "\n".join(lines) + "\n"
+
+
+def _cpu_ranges(cpus: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2,5``."""
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)
 
 
 def probe_summary(probes: list[dict]) -> str | None:

@@ -121,3 +121,29 @@ def test_cpu_run_both_sides_through_the_report(tmp_path):
     assert "### mixed_2dec_32: per round (2 rounds off, 2 on)" in md
     assert "| `plugin: forward_fused` | 0.000 |" in md
     assert "## Process-wide state, on vs off" in md
+
+
+def test_pinned_sides_get_disjoint_whole_physical_cores(HP):
+    # 8 CPUs as 4 physical cores with SMT siblings (0,4) (1,5) (2,6) (3,7), as sysfs lists them.
+    cores = [[0, 4], [1, 5], [2, 6], [3, 7]]
+    sets = HP.cpu_sets(["compiled_off", "compiled_on"], cores)
+    assert sets == {"compiled_off": [0, 1, 4, 5], "compiled_on": [2, 3, 6, 7]}
+    four = HP.cpu_sets(["a", "b", "c", "d"], cores)
+    assert sorted(c for cpus in four.values() for c in cpus) == list(range(8))
+    assert all(len(cpus) == 2 and cpus[1] - cpus[0] == 4 for cpus in four.values())
+    with pytest.raises(ValueError, match="physical cores"):
+        HP.cpu_sets(["a", "b", "c"], cores[:2])
+
+
+def test_physical_cores_group_this_machines_smt_siblings(HP):
+    cores = HP.physical_cores()
+    flat = [c for core in cores for c in core]
+    assert sorted(flat) == sorted(os.sched_getaffinity(0)) and len(flat) == len(set(flat))
+    assert HP._cpu_list("0-2,5,7-8\n") == {0, 1, 2, 5, 7, 8}
+    assert HP.physical_cores({min(flat)}) == [[min(flat)]]
+
+
+def test_the_report_names_each_sides_cpus_and_probes():
+    from benchmarks.e2e import host_profile_report as report
+
+    assert report._cpu_ranges([5, 0, 1, 2, 8, 9]) == "0-2,5,8-9"
