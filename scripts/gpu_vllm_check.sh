@@ -13,7 +13,8 @@
 #     hostprof  issue 20's host profile: in-process engines plugin on and off, py-spy (a wheel carried
 #               in .whl/) over fixed prefill and mixed workloads (benchmarks/e2e/host_profile.py), within
 #               $HOSTPROF_DEADLINE_S (default 225); $HOSTPROF_MODES (default compiled; "compiled eager"
-#               adds the eager pair), $HOSTPROF_ARGS more options; output in $OUT/host_profile/
+#               adds the eager pair), $HOSTPROF_ARGS its options (default "--pin-cpus --rounds 6": each
+#               side on CPUs of its own, 6 blocks per side); output in $OUT/host_profile/
 #     env       only set up the environment and print versions
 # Logs and results go under $OUT (default ./gpu_out); a short summary is printed last. The whole
 # call keeps inside $TOTAL_S seconds (default 585: one device command may run 600).
@@ -136,7 +137,7 @@ stage_hostprof() {
   # shellcheck disable=SC2086 # HOSTPROF_MODES and HOSTPROF_ARGS are lists
   timeout -k 10 $((deadline + 10)) python3 -m benchmarks.e2e.host_profile --out "$OUT/host_profile" \
     --work-dir "${HOSTPROF_WORK:-/tmp/host_profile_work}" --deadline-s "$deadline" --modes ${HOSTPROF_MODES:-compiled} \
-    ${HOSTPROF_ARGS:-} >"$OUT/host_profile.log" 2>&1
+    ${HOSTPROF_ARGS:---pin-cpus --rounds 6} >"$OUT/host_profile.log" 2>&1
   local rc=$?
   grep -E "^\[[0-9:]+\] " "$OUT/host_profile.log" | tail -n 40
   head -n 160 "$OUT/host_profile/host_profile.md" 2>/dev/null

@@ -88,11 +88,19 @@ def parse_collapsed(lines: Iterable[str]) -> dict[str, Counter]:
     """Thread name (or ``thread TID`` where it has none; ``""`` without thread frames) -> Counter of
     stacks (outermost frame first) -> samples. Identical stacks on several lines add up."""
     threads: dict[str, Counter] = {}
+    pending = ""
     for raw in lines:
-        line = raw.rstrip("\n")
+        line = pending + raw.rstrip("\n")
         if not line.strip():
+            pending = ""
             continue
         stack_text, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            # A frame name with a newline in it: py-spy's --nonblocking reads a frame the process
+            # is rewriting and may take source text for the name. The sample goes on in the next line.
+            pending = line + " "
+            continue
+        pending = ""
         if not stack_text:
             raise ValueError(f"not a collapsed-stack line (no count): {line[:200]!r}")
         parts = stack_text.split(";")
@@ -103,6 +111,8 @@ def parse_collapsed(lines: Iterable[str]) -> dict[str, Counter]:
             parts = parts[1:]
         stack = tuple(parse_frame(p) for p in parts if p)
         threads.setdefault(thread, Counter())[stack] += int(count)
+    if pending:
+        raise ValueError(f"not a collapsed-stack line (no count): {pending[:200]!r}")
     return threads
 
 

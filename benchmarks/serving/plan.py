@@ -38,14 +38,15 @@ class Speed:
 # serve` healthy after 150 and 173 s cold, 93 and 102 s warm (the API server's import, graph
 # capture and the compile-cache load dominate a warm start); loads as estimated below to within
 # ~10%. TPOT 18-26 ms at 16 req/s and 8.7 ms at 64 in flight.
-# fp8-moe: the first attempt (20 layers, DeepGEMM on) loaded in 10 s, compiled in 15 s, profiled in 30 s
-# and captured its 51 graph sizes in 168 s (its fp8 MoE kernels compile per size), then spent minutes
-# in DeepGEMM's warm-up (now off: models.SERVER_ENV). Cold ~80 + 9 s per layer is that start less the
-# warm-up; warm starts find the compile and Triton caches (a guess). Steps ~2x the dense ones (a guess).
+# fp8-moe, measured by its first full run (2026-12-02, 20 layers, DeepGEMM off: models.SERVER_ENV): healthy
+# after 157-159 s cold (the 51 graph sizes' fp8 MoE kernels compile per size, 168 s with DeepGEMM's
+# warm-up on top in the attempt before), 115 s warm; the five loads took 76-79 s per server; TPOT 15-26 ms
+# at 16 req/s, 9.7 ms at 64 in flight; a 4k prefill ~0.1 s. (The first plan, from guesses of 80 + 9 s per
+# layer cold, fitted one server where two did.)
 # tiny-cpu: the CPU smoke test's 3-layer model on 2 cores.
 SPEEDS = {
     "dense": Speed(60.0, 1.6, 75.0, 0.35, tpot_s=0.015, decode_step_s=0.010, prefill_tokens_per_s=60_000),
-    "fp8-moe": Speed(80.0, 9.0, 60.0, 3.0, tpot_s=0.030, decode_step_s=0.020, prefill_tokens_per_s=30_000),
+    "fp8-moe": Speed(80.0, 4.0, 60.0, 2.75, tpot_s=0.020, decode_step_s=0.010, prefill_tokens_per_s=40_000),
     "tiny-cpu": Speed(60.0, 2.0, 60.0, 2.0, tpot_s=0.3, decode_step_s=0.3, prefill_tokens_per_s=800),
     # The whole model at TP8 (8 H200s): each rank builds fp8-moe's rank and the eight compile in parallel;
     # NCCL and custom all-reduce set-up, eight processes' imports and ~80 GiB of dummy weights per rank

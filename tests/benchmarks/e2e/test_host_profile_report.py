@@ -61,6 +61,20 @@ def test_frames_and_threads_parse(R):
         R.parse_collapsed(["no-count-here\n"])
 
 
+def test_a_frame_name_broken_over_lines_is_one_sample(R):
+    """py-spy --nonblocking can read source text with newlines as a frame's name (the H200 profile
+    of 2026-12-02 had two such samples): the pieces make one sample, not an error or three."""
+    text = [
+        f"{MAIN};        state: _CacheKeyState,\n",
+        " (        result: list[object],\n",
+        ":32539);" + frame("OpOverloadPacket.__call__", "/tmp/site/torch/_ops.py", 1338) + " 1\n",
+        line(MAIN, [EXEC], 2),
+    ]
+    threads = R.parse_collapsed(text)
+    assert sum(threads["MainThread"].values()) == 3
+    assert any(f.function == "OpOverloadPacket.__call__" for stack in threads["MainThread"] for f in stack)
+
+
 def test_short_paths(R):
     assert R.short_path(MLA) == "vllm/model_executor/layers/attention/mla_attention.py"
     assert R.short_path(PLUGIN + "ops.py") == "vllm_mla_fusion/ops.py"
