@@ -91,9 +91,11 @@ def test_process_facts_compare_across_processes(HP):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_cpu_run_both_sides_through_the_report(tmp_path):
+def test_cpu_run_both_sides_through_the_report(HP, tmp_path):
     """Both side processes start, warm up, measure when told, and the report compares them (~2
-    minutes on a 2-core machine; the in-process sampler, as where py-spy is absent)."""
+    minutes on a 2-core machine; the in-process sampler, as where py-spy is absent). Where the
+    machine has two physical cores or more, each side runs pinned to its own (--pin-cpus)."""
+    pin = len(HP.physical_cores()) >= 2
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_MLA_FUSION")}
     env.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1")
@@ -101,7 +103,7 @@ def test_cpu_run_both_sides_through_the_report(tmp_path):
         [sys.executable, "-m", "benchmarks.e2e.host_profile", "--cpu", "--sampler", "signal", "--out",
          str(out), "--work-dir", str(tmp_path / "work"), "--layers", "2", "--prefill-lens", "32",
          "--prefill-requests", "2", "--mixed-decoders", "2", "--mixed-prefill", "32", "--mixed-rounds", "1",
-         "--rounds", "2", "--rate", "200", "--deadline-s", "500"],
+         "--rounds", "2", "--rate", "200", "--deadline-s", "500", *(["--pin-cpus"] if pin else [])],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -116,6 +118,10 @@ def test_cpu_run_both_sides_through_the_report(tmp_path):
         prefill = [w for w in data["windows"] if w["workload"] == "prefill_32"]
         assert all(w["host"]["execute_model_tokens"].count(32) == 2 for w in prefill), prefill
         assert data["process_before"]["gc_threshold"]
+        if pin:  # the side and every thread it started ran on its own CPUs only
+            assert data["process_before"]["cpu_set"] == run["cpu_sets"][f"eager_{side}"]
+    if pin:
+        assert not set(run["cpu_sets"]["eager_off"]) & set(run["cpu_sets"]["eager_on"])
     md = (out / "host_profile.md").read_text()
     assert "### prefill_32: per prefill step (4 prefill steps off, 4 on)" in md
     assert "### mixed_2dec_32: per round (2 rounds off, 2 on)" in md
