@@ -44,12 +44,13 @@ def environment_value(name: str) -> str | None:
     return None if value is None else environ.decodevalue(value)
 
 
-def _env_flag(name: str) -> bool:
+def env_flag(name: str) -> bool:
+    """A switch that is on when set to 1, true, yes or on (any case, spaces ignored)."""
     return (environment_value(name) or "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def triton_interpreting() -> bool:
-    return _env_flag("TRITON_INTERPRET")
+    return env_flag("TRITON_INTERPRET")
 
 
 @functools.cache
@@ -105,7 +106,7 @@ def resolve(backend: str | None, device: torch.device, decode: bool, problem=Non
     # auto
     if device.type != "cuda":
         return "torch"
-    if torch.version.hip is not None and _env_flag("VLLM_ROCM_USE_AITER"):
+    if torch.version.hip is not None and env_flag("VLLM_ROCM_USE_AITER"):
         from .backends import aiter as aiter_backend
 
         if aiter_backend.unavailable_reason(device) is None and aiter_backend.applies(decode, problem, device):

@@ -79,6 +79,9 @@ if os.environ.get("MLA_FUSION_E2E_CPU_STANDINS") == "1":
 
 from demo.tiny_model import DSV3_ARCHITECTURE, yarn_rope_scaling  # noqa: E402
 
+from . import vllm_engine as E  # noqa: E402 - stdlib only at import: no vLLM, no CUDA
+from . import vllm_trace as T  # noqa: E402
+
 NUM_LAYERS = 61
 # DeepSeek-V3 with the shapes of one tensor-parallel rank at TP8: 128/8 = 16 heads, the
 # dense MLP's 18432/8 = 2304 intermediate in every layer (no MoE, to fit one GPU), full
@@ -200,8 +203,6 @@ def timed(llm, prompts, max_tokens: int) -> float:
 
 def timed_with_host(llm, prompts, max_tokens: int) -> tuple[float, dict]:
     """``timed``, plus the engine's host record of the request (vllm_engine.install_host_timer)."""
-    from . import vllm_engine as E
-
     llm.collective_rpc(E.read_host_timer)  # drop what earlier requests left
     t = timed(llm, prompts, max_tokens)
     return t, E.host_summary(llm.collective_rpc(E.read_host_timer)[0])
@@ -234,8 +235,6 @@ class Bench:
         self.cores: dict = {}
         # GPU memory in use before any engine (nvidia-smi): an engine's memory counts as released
         # once usage is back near it (the next engine's start checks free >= 90% of the GPU).
-        from . import vllm_engine as E
-
         self.gpu_baseline_mib = None if args.smoke else E.wait_gpu_memory_released(float("inf"), timeout_s=0)
         self.report["environment"]["gpu_used_mib_before"] = self.gpu_baseline_mib
         self.min_measure_s = 5.0 if args.smoke else MIN_MEASURE_S
@@ -279,8 +278,6 @@ class Bench:
         }
 
     def llm_kwargs(self, kv: str, prof_dir: Path) -> dict:
-        from . import vllm_engine as E
-
         a = self.args
         max_len = max(max(a.prefill_lens), a.prompt_len + a.decode_tokens + a.profile_decode_steps) + 256
         kw = dict(
@@ -336,8 +333,6 @@ class Bench:
         return self.start_estimate(kv, side) + (max(core) if core else self.min_measure_s) + TEARDOWN_S
 
     def run(self) -> int:
-        from . import vllm_engine as E
-
         a = self.args
         eps = E.entry_points()
         self.report["environment"]["entry_points"] = eps
@@ -396,7 +391,6 @@ class Bench:
         """Start one engine, measure, tear down. Sections, in order: first request; one timing pass
         over every decode batch and prefill length; the profiling session; further timing passes
         while ``engine_deadline`` (seconds since the benchmark started) allows."""
-        from . import vllm_engine as E
         from vllm import LLM
 
         a = self.args
@@ -506,8 +500,6 @@ class Bench:
             tpot = 1e3 * (d["tN_s"][-1] - d["t1_s"][-1]) / (n - 1)
             log(f"  pass {r} decode B={b:4d}: TPOT {tpot:.3f} ms")
         if a.host_regions:
-            from . import vllm_engine as E
-
             probe = llm.collective_rpc(E.host_speed_probe)[0]
             rec.setdefault("host_probe", []).append(probe)
             log(f"  pass {r} host probe: {probe['python_us_per_1k']:.1f} us per 1k loop iterations, "
@@ -536,9 +528,6 @@ class Bench:
             p["execute_model_ms_median"] = med(execs) if execs else None
 
     def profile(self, llm, prompts: Prompts, prof_dir: Path, idx: int) -> dict:
-        from . import vllm_engine as E
-        from . import vllm_trace as T
-
         a = self.args
         k = a.profile_decode_steps
 
@@ -563,11 +552,11 @@ class Bench:
         del trace
         for b in a.decode_batches:
             sel = [s for s in steps if s.kind == "decode" and s.gen_reqs == b]
-            out["decode"][str(b)] = step_stats(sel, T)
+            out["decode"][str(b)] = step_stats(sel)
         # The first request's shape (one decode prompt) is each B=1 request's first step.
         for length in (a.prompt_len, *a.prefill_lens):
             sel = [s for s in steps if s.kind == "prefill" and s.ctx_tokens == length and s.ctx_reqs == 1]
-            out["prefill"][str(length)] = step_stats(sel, T)
+            out["prefill"][str(length)] = step_stats(sel)
         out["parse_s"] = time.perf_counter() - t
         d1 = out["decode"].get(str(a.decode_batches[0]), {})
         log(f"  profile: {out['trace_bytes'] / 2**20:.1f} MiB trace in {t_export:.1f} s, parsed in {out['parse_s']:.1f} s; "
@@ -575,7 +564,7 @@ class Bench:
         return out
 
 
-def step_stats(steps, T) -> dict:
+def step_stats(steps) -> dict:
     """GPU time per step (median, min, max of sum and busy), our kernel's launches, the kernel table."""
     if not steps:
         return {"steps": 0}
@@ -718,8 +707,6 @@ def summarize(report, args) -> dict:
                    for e in eng] for s, eng in (("on", on), ("off", off))}  # fmt: skip
         diffs = {}
         if on and off:
-            from . import vllm_trace as T
-
             for b in sorted({args.decode_batches[0], args.decode_batches[-1]}):
                 try:
                     t_on = on[0]["profile"]["decode"][str(b)]["kernel_table"]
@@ -898,8 +885,6 @@ def write_markdown(report, path: Path) -> None:
                              f"{_f(row['off_us'])} | {_f(row['on_us'])} | {row['on_us'] - row['off_us']:+.1f} |")  # fmt: skip
             lines.append("")
         if r.get("kernel_diff"):
-            from . import vllm_trace as T
-
             for b, diff in r["kernel_diff"].items():
                 lines += [f"Decode step at B={b}, first on engine vs first off engine, kernels by name (where the "
                           "saving comes from):", "", "```"] + T.format_diff(diff) + ["```", ""]  # fmt: skip

@@ -286,6 +286,7 @@ def process_facts() -> dict:
     """What could make every piece of Python in this process slower or busier: compared side by side."""
     import torch
 
+    cpus = sorted(os.sched_getaffinity(0))
     facts = {
         "gc_enabled": gc.isenabled(),
         "gc_threshold": gc.get_threshold(),
@@ -298,8 +299,8 @@ def process_facts() -> dict:
         "sys_gettrace": _plain(sys.gettrace()),
         "switch_interval_s": sys.getswitchinterval(),
         "modules_loaded": len(sys.modules),
-        "cpu_affinity": len(os.sched_getaffinity(0)),
-        "cpu_set": sorted(os.sched_getaffinity(0)),
+        "cpu_affinity": len(cpus),
+        "cpu_set": cpus,
         "torch_num_threads": torch.get_num_threads(),
         "grad_enabled": torch.is_grad_enabled(),
         "inference_mode": torch.is_inference_mode_enabled(),
@@ -687,15 +688,14 @@ def physical_cores(cpus: set[int] | None = None) -> list[list[int]]:
     """The CPUs this process may use, grouped by physical core (SMT siblings together, from sysfs;
     one CPU per group where the topology cannot be read), in CPU order."""
     cpus = set(os.sched_getaffinity(0) if cpus is None else cpus)
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for cpu in sorted(cpus):
+    groups: set[tuple[int, ...]] = set()
+    for cpu in cpus:
         try:
             text = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text()
-            siblings = tuple(sorted(cpus & _cpu_list(text))) or (cpu,)
+            groups.add(tuple(sorted(cpus & _cpu_list(text))) or (cpu,))
         except OSError:
-            siblings = (cpu,)
-        groups.setdefault(siblings, list(siblings))
-    return sorted(groups.values())
+            groups.add((cpu,))
+    return [list(g) for g in sorted(groups)]
 
 
 def _cpu_list(text: str) -> set[int]:

@@ -430,7 +430,7 @@ def build_report(folder: Path, modes: list[str] | None = None, top: int = 25, mi
         for s in ("off", "on"):
             sampler = meta[s].get("sampler", {})
             cpus = (meta[s].get("process_before") or {}).get("cpu_set")
-            probes = " ".join(f"{p['python_us_per_1k']:.0f}" for p in meta[s].get("host_probe", []) if "python_us_per_1k" in p)
+            probes = " ".join(f"{v:.0f}" for v in probe_values(meta[s].get("host_probe", [])))
             lines.append(f"- {s}: engine {meta[s].get('engine', 'in-process')}, start {_f(meta[s].get('start_s'), '{:.0f}')} s; "
                          f"sampler {sampler.get('kind')} at {sampler.get('rate_hz')} Hz; "
                          f"host probe {meta[s].get('host_probe_summary')} (before and after each block, in order: "
@@ -454,9 +454,14 @@ def _cpu_ranges(cpus: list[int]) -> str:
     return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)
 
 
+def probe_values(probes: list[dict]) -> list[float]:
+    """The host-speed probes' loop times (us per 1k iterations), in the order they were taken."""
+    return [p["python_us_per_1k"] for p in probes if "python_us_per_1k" in p]
+
+
 def probe_summary(probes: list[dict]) -> str | None:
     """The host-speed probes of one side, as a short range (us per 1k loop iterations)."""
-    vals = [p["python_us_per_1k"] for p in probes if "python_us_per_1k" in p]
+    vals = probe_values(probes)
     if not vals:
         return None
     return f"{min(vals):.1f}-{max(vals):.1f} us/1k loop (median {statistics.median(vals):.1f})"

@@ -34,6 +34,8 @@ import gc
 import os
 import time
 
+from . import vllm_trace  # stdlib only: this module still imports no vLLM at import
+
 PLUGIN_KEY = "MultiHeadLatentAttentionWrapper"
 PLUGIN_CLASS = "FusedMultiHeadLatentAttentionWrapper"
 ENTRY_POINT = ("mla_fusion", "vllm_mla_fusion.vllm_plugin:register")
@@ -120,8 +122,6 @@ def profiler_config(directory: str) -> dict:
 
 def profile(llm, directory: str, prefix: str, work, wait_s: float = 60.0) -> str:
     """Run ``work()`` inside one profiling session; the path of the trace it wrote."""
-    from . import vllm_trace
-
     before = set(vllm_trace.find_traces(directory, prefix))
     llm.start_profile(profile_prefix=prefix)
     try:
@@ -147,8 +147,6 @@ def profile(llm, directory: str, prefix: str, work, wait_s: float = 60.0) -> str
 def census(trace_path: str) -> dict:
     """Per engine step: kind, token counts, the kernels it launched (short name -> count),
     our kernel's launches, vLLM's chain kernels, the counted CPU ops and GPU time."""
-    from . import vllm_trace
-
     trace = vllm_trace.load(trace_path)
     steps = vllm_trace.parse_steps(trace, CENSUS_CPU_OPS)
     out = []

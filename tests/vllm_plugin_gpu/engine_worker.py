@@ -51,6 +51,8 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
+from benchmarks.e2e import vllm_engine as E  # noqa: E402 - imports no vLLM
+
 from . import workload as W  # noqa: E402
 
 
@@ -93,7 +95,6 @@ class Runner:
 
     def llm_kwargs(self, case: W.Case) -> dict:
         import torch
-        from benchmarks.e2e import vllm_engine as E
 
         kw = dict(
             model=self.model_dir, load_format="dummy", skip_tokenizer_init=True, seed=0,
@@ -139,7 +140,6 @@ class Runner:
         return {"lens": list(self.probe.teacher_lens), "logprobs": logprobs}
 
     def census(self, llm, vocab: int, prof_dir: Path) -> dict:
-        from benchmarks.e2e import vllm_engine as E
         from vllm import SamplingParams
 
         p = self.probe
@@ -165,7 +165,6 @@ class Runner:
         return E.census(path)
 
     def run_engine(self, case: W.Case, side: str) -> dict:
-        from benchmarks.e2e import vllm_engine as E
         from vllm import LLM
 
         on = side == "on"
@@ -229,8 +228,6 @@ class Runner:
         torch.compiler.reset()
 
     def run(self) -> int:
-        from benchmarks.e2e import vllm_engine as E
-
         groups = W.CPU_GROUPS if self.cpu else {g: W.GROUPS[g] for g in self.args.group}
         header = {"kind": "worker", "groups": list(groups), "pid": os.getpid(), "entry_points": E.entry_points()}
         t = time.perf_counter()

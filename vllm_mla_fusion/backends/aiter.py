@@ -31,7 +31,6 @@ import dataclasses
 import functools
 import importlib.util
 import logging
-import os
 import re
 import threading
 from collections import OrderedDict
@@ -42,6 +41,7 @@ import torch
 
 from .. import fp8
 from ..binding import OP_DECODE
+from ..dispatch import env_flag
 from ..validation import Problem
 
 __all__ = [
@@ -91,10 +91,6 @@ _OPT_MIN_SIZE = 2048
 _VECTOR_BYTES = 16
 # The host function passes strides as C int.
 _INT32_MAX = 2**31 - 1
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 # --------------------------------------------------------------------------
@@ -362,7 +358,7 @@ def applies(decode: bool, problem: Problem | None, device: torch.device | None =
     """
     if not decode or problem is None:
         return False
-    return decline_reason(decode, problem, arch=_arch_of(device), allow_fp8=_env_flag(ENV_FP8)) is None
+    return decline_reason(decode, problem, arch=_arch_of(device), allow_fp8=env_flag(ENV_FP8)) is None
 
 
 def _aligned(t: torch.Tensor, dims: tuple[int, ...]) -> bool:
@@ -679,7 +675,7 @@ class BoundDecode:
         self.p, self.is_neox, self.is_nope_first, self.fallback = p, is_neox, is_nope_first, fallback
         self.aiter_op = getattr(aiter, AITER_OP)
         self.arch = _arch_of(device)
-        self.allow_fp8 = _env_flag(ENV_FP8)
+        self.allow_fp8 = env_flag(ENV_FP8)
         self.device_index = device.index
 
     def __call__(self, T, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale,

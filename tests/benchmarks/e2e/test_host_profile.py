@@ -147,9 +147,3 @@ def test_physical_cores_group_this_machines_smt_siblings(HP):
     assert sorted(flat) == sorted(os.sched_getaffinity(0)) and len(flat) == len(set(flat))
     assert HP._cpu_list("0-2,5,7-8\n") == {0, 1, 2, 5, 7, 8}
     assert HP.physical_cores({min(flat)}) == [[min(flat)]]
-
-
-def test_the_report_names_each_sides_cpus_and_probes():
-    from benchmarks.e2e import host_profile_report as report
-
-    assert report._cpu_ranges([5, 0, 1, 2, 8, 9]) == "0-2,5,8-9"

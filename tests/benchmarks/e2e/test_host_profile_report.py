@@ -75,6 +75,10 @@ def test_a_frame_name_broken_over_lines_is_one_sample(R):
     assert any(f.function == "OpOverloadPacket.__call__" for stack in threads["MainThread"] for f in stack)
 
 
+def test_cpu_sets_are_written_as_ranges(R):
+    assert R._cpu_ranges([5, 0, 1, 2, 8, 9]) == "0-2,5,8-9"
+
+
 def test_short_paths(R):
     assert R.short_path(MLA) == "vllm/model_executor/layers/attention/mla_attention.py"
     assert R.short_path(PLUGIN + "ops.py") == "vllm_mla_fusion/ops.py"
