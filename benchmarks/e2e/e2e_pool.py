@@ -7,9 +7,11 @@ one run. This script reads the JSON of several runs and reports, per KV-cache dt
 
 - per decode batch: each run's GPU-time saving per step over the predicted one, and their
   median and minimum;
-- per prefill length: every engine's median TTFT, pooled by side over all runs, with the
-  Mann-Whitney U test of "on and off come from the same distribution" (exact two-sided p,
-  engines as the samples);
+- per prefill length: every engine's median TTFT and median ``execute_model`` host time per
+  prefill step, pooled by side over all runs, with the Mann-Whitney U test (engines as the
+  samples): the exact two-sided p of "on and off come from the same distribution", and the
+  exact one-sided p of the alternative "the plugin's engines take longer" (issue 20's test of
+  "not worse": a small one-sided p says worse);
 - where the runs have host-region timers, every engine's median speed of vLLM's own
   ``forward_mha`` code (the part of the host work that is the same on both sides), pooled
   by side and tested the same way: whether plugin-on processes run vLLM's Python slower;
@@ -47,11 +49,19 @@ def mann_whitney(xs: list[float], ys: list[float]) -> dict | None:
     if not xs or not ys:
         return None
     res = mannwhitneyu(xs, ys, alternative="two-sided", method="exact")
-    return {"u": float(res.statistic), "pairs": len(xs) * len(ys), "p_two_sided": float(res.pvalue)}
+    # One-sided: the alternative that xs (the plugin's engines) are stochastically larger.
+    greater = mannwhitneyu(xs, ys, alternative="greater", method="exact")
+    return {"u": float(res.statistic), "pairs": len(xs) * len(ys), "p_two_sided": float(res.pvalue),
+            "p_x_greater": float(greater.pvalue)}  # fmt: skip
 
 
 def _ttft_ms(side: str, p: dict) -> float | None:
     return med([t * 1e3 for t in p.get("ttft_s", [])])
+
+
+def _execute_model_ms(side: str, p: dict) -> float | None:
+    """The engine's median ``execute_model`` host time of the prefill step (its TTFT requests)."""
+    return med([ex[0] for h in p.get("host", []) if (ex := h.get("execute_model_ms"))])
 
 
 def _common_ms(side: str, p: dict) -> float | None:
@@ -65,6 +75,7 @@ def _engine_figures(e: dict):
     where the run has them (since the fourth lease). Values may be None (not measured)."""
     for length, p in e.get("prefill", {}).items():
         yield (int(length), "ttft_ms"), _ttft_ms(e["side"], p)
+        yield (int(length), "execute_model_host_ms"), _execute_model_ms(e["side"], p)
         yield (int(length), "forward_mha_host_ms"), _common_ms(e["side"], p)
     if e.get("host_probe"):
         for metric in ("python_us_per_1k", "torch_slice_us"):
@@ -136,16 +147,18 @@ def markdown(pooled: dict, names: list[str]) -> str:
             cells = [_f(d["runs"][n]["ratio"]) if n in d["runs"] else "" for n in names]
             lines.append(f"| {b} | " + " | ".join(cells)
                          + f" | {_f(d['ratio_median'])} | {_f(d['ratio_min'])} | {d['runs_lower']} of {d['runs_measured']} |")  # fmt: skip
-        lines += ["", "Per-engine medians pooled over the runs (each engine one sample; p: exact two-sided "
-                  "Mann-Whitney, on against off):", "",
-                  "| prefill L | figure | engines on | off | median on | off | U (of pairs) | p |",
-                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += ["", "Per-engine medians pooled over the runs (each engine one sample; exact Mann-Whitney, on "
+                  "against off: p two-sided, and p one-sided for the alternative \"on is larger\", i.e. slower "
+                  "for a time):", "",
+                  "| prefill L | figure | engines on | off | median on | off | U (of pairs) | p | p (on larger) |",
+                  "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for length, metrics in [*k["prefill"].items(), ("all", k.get("engine", {}))]:
             for metric, s in metrics.items():
                 mw = s["mann_whitney"]
                 lines.append(f"| {length} | {metric} | {len(s['on'])} | {len(s['off'])} | {_f(s['median']['on'], '{:.1f}')} | "
                              f"{_f(s['median']['off'], '{:.1f}')} | "
-                             + (f"{mw['u']:g} ({mw['pairs']}) | {mw['p_two_sided']:.3f} |" if mw else "- | - |"))  # fmt: skip
+                             + (f"{mw['u']:g} ({mw['pairs']}) | {mw['p_two_sided']:.3f} | {mw['p_x_greater']:.3f} |"
+                                if mw else "- | - | - |"))  # fmt: skip
         lines.append("")
     return "\n".join(lines)
 

@@ -217,6 +217,41 @@ REGIONS = (
 )
 
 
+# Issue 20's per-layer measure: the plugin's host time from its attention op's entry to its
+# launches, less vLLM's own code that runs inside that op (forward_impl, the attention
+# kernels' wrappers), against the host time of the vLLM work the plugin replaces.
+PLUGIN_OP = next(r for r in REGIONS if r.name.startswith("plugin: attention op"))
+REPLACED = (
+    next(r for r in REGIONS if r.name.startswith("vLLM cache write op")),
+    next(r for r in REGIONS if r.name.startswith("_concat_k_nope_k_pe")),
+    # Where the backend takes an fp8 query: the concat-quant module's forward (a nested function).
+    region("vLLM decode query concat-quant", MLA, "_DecodeConcatQuantFP8._make_forward.<locals>.forward"),
+)
+PLUGIN_OWN = "plugin's own code in its attention op"
+VLLM_REPLACED = "vLLM's cache write op, key concat and decode concat"
+
+
+def owner(stack: Stack) -> str | None:
+    """Whose code a sample is in: the innermost frame of the plugin's package or of vLLM (torch,
+    Triton and C frames below it count for it); None when neither is on the stack."""
+    for f in reversed(stack):
+        if PLUGIN in f.file:
+            return "plugin"
+        if "/vllm/" in f.file or f.file.startswith("vllm/"):
+            return "vllm"
+    return None
+
+
+def per_layer_samples(stacks: Counter) -> dict[str, int]:
+    """``PLUGIN_OWN``: samples inside the plugin's attention op whose owner is the plugin;
+    ``VLLM_REPLACED``: samples inside the vLLM ops and calls the plugin's launch replaces. RoPE
+    is not in either: vLLM's runs inside Inductor's generated code, fused with its neighbours,
+    where no frame names it (so the vLLM figure is a lower bound of what the plugin replaces)."""
+    own = sum(n for s, n in stacks.items() if PLUGIN_OP.contains(s) and owner(s) == "plugin")
+    replaced = sum(n for s, n in stacks.items() if any(r.contains(s) for r in REPLACED))
+    return {PLUGIN_OWN: own, VLLM_REPLACED: replaced}
+
+
 def self_samples(stacks: Counter) -> Counter:
     """Function label -> samples whose innermost frame is that function."""
     out: Counter = Counter()
@@ -305,6 +340,8 @@ class Side:
     unit: str
     regions_ms: dict[str, float]
     self_ms: dict[str, float]
+    per_layer_ms: dict[str, float]  # per_layer_samples, per unit (all layers)
+    window_per_layer_ms: list[dict[str, float]]  # the same, window by window
     sampled_ms: float  # the main thread's whole window, per unit
     timed_execute_model_ms: float | None  # execute_model's host span (timer), per unit
     gc_ms: float  # garbage collection (gc callbacks), per unit
@@ -322,6 +359,8 @@ def summarize_side(windows: list[Window]) -> Side:
         unit=windows[0].unit,
         regions_ms=per_unit_ms(windows, region_samples),
         self_ms=per_unit_ms(windows, self_samples),
+        per_layer_ms=per_unit_ms(windows, per_layer_samples),
+        window_per_layer_ms=[per_unit_ms([w], per_layer_samples) for w in windows],
         sampled_ms=sum(w.window_ms for w in windows) / units,
         timed_execute_model_ms=sum(execs) / units if execs else None,
         gc_ms=sum(ms for w in windows for ms in w.gc_ms) / units,
@@ -378,7 +417,33 @@ def _diff_table(title: str, rows, top: int, min_abs_ms: float) -> list[str]:
     return lines + [""]
 
 
-def compare_workload(off: Side, on: Side, workload: str, top: int, min_abs_ms: float) -> list[str]:
+def per_layer_lines(off: Side, on: Side, unit: str, layers: int) -> list[str]:
+    """The plugin's own host time in its attention op (on) against the vLLM work it replaces
+    (off), per layer: issue 20's per-layer target."""
+    own, replaced = on.per_layer_ms.get(PLUGIN_OWN, 0.0), off.per_layer_ms.get(VLLM_REPLACED, 0.0)
+    windows = ", ".join(f"{s}: " + " ".join(f"{w.get(k, 0.0) * 1e3 / layers:.0f}" for w in side.window_per_layer_ms)
+                        for s, side, k in (("on", on, PLUGIN_OWN), ("off", off, VLLM_REPLACED)))  # fmt: skip
+    return [
+        f"Per layer ({layers} MLA layers), issue 20's measure: the plugin's own code in its attention op "
+        "(samples whose innermost plugin-or-vLLM frame is the plugin's) against vLLM's cache write op, key "
+        "concat and decode concat (vLLM's RoPE, inside Inductor's code, is in neither):", "",
+        f"| per {unit} | ms | us per layer |", "|---|---|---|",
+        f"| on: {PLUGIN_OWN} | {own:.2f} | {own * 1e3 / layers:.1f} |",
+        f"| off: {VLLM_REPLACED} | {replaced:.2f} | {replaced * 1e3 / layers:.1f} |",
+        f"| on - off | {own - replaced:+.2f} | {(own - replaced) * 1e3 / layers:+.1f} |", "",
+        f"The same, us per layer, window by window: {windows}", "",
+    ]  # fmt: skip
+
+
+def layer_count(meta: dict) -> int | None:
+    """The MLA layers the plugin fused, from a side's facts (``layers``: the first layer, then
+    ``{"same_as_first_for": n}``), or None where the side lists none (the off side)."""
+    layers = (meta.get("facts") or {}).get("layers") or []
+    return sum(x.get("same_as_first_for", 1) if isinstance(x, dict) else 1 for x in layers) or None
+
+
+def compare_workload(off: Side, on: Side, workload: str, top: int, min_abs_ms: float,
+                     layers: int | None = None) -> list[str]:  # fmt: skip
     unit = on.unit
     lines = [f"### {workload}: per {unit} ({off.units} {unit}s off, {on.units} on)", ""]
     lines += [
@@ -410,6 +475,8 @@ def compare_workload(off: Side, on: Side, workload: str, top: int, min_abs_ms: f
                          f"{_f(off.gil_ms.get(n))} | {_f(on.gil_ms.get(n))} | {_f(off.thread_involuntary.get(n), '{:.1f}')} | "
                          f"{_f(on.thread_involuntary.get(n), '{:.1f}')} |")  # fmt: skip
         lines.append("")
+    if layers:
+        lines += per_layer_lines(off, on, unit, layers)
     lines += _diff_table(f"Inclusive regions, ms per {unit}, largest on - off first (a sample counts in every "
                          "region it is inside):", difference(off.regions_ms, on.regions_ms), top, min_abs_ms)  # fmt: skip
     lines += _diff_table(f"Self time per function, ms per {unit}, largest on - off first:",
@@ -439,7 +506,7 @@ def build_report(folder: Path, modes: list[str] | None = None, top: int = 25, mi
         for workload in sorted({w.workload for w in on_windows} & {w.workload for w in off_windows}):
             off = summarize_side([w for w in off_windows if w.workload == workload])
             on = summarize_side([w for w in on_windows if w.workload == workload])
-            lines += compare_workload(off, on, workload, top, min_abs_ms)
+            lines += compare_workload(off, on, workload, top, min_abs_ms, layer_count(meta["on"]))
     return "\n".join(lines) + "\n"
 
 

@@ -32,6 +32,21 @@ def _permutation_p(xs, ys):
     return hits / total
 
 
+def _permutation_p_greater(xs, ys):
+    """One-sided p (xs larger) by relabelling every split: the share of splits whose U is at least
+    the observed one."""
+    pooled, m = xs + ys, len(xs)
+    observed = _u(xs, ys)
+    hits = total = 0
+    for idx in itertools.combinations(range(len(pooled)), m):
+        chosen = set(idx)
+        a = [pooled[i] for i in idx]
+        b = [pooled[i] for i in range(len(pooled)) if i not in chosen]
+        hits += _u(a, b) >= observed - 1e-9
+        total += 1
+    return hits / total
+
+
 @pytest.mark.parametrize("m,n", [(1, 1), (1, 4), (2, 3), (3, 3), (4, 5), (5, 5), (7, 7)])
 def test_mann_whitney_matches_the_permutation_definition(m, n):
     rng = random.Random(1000 * m + n)
@@ -42,6 +57,16 @@ def test_mann_whitney_matches_the_permutation_definition(m, n):
         assert got["u"] == pytest.approx(_u(xs, ys))
         assert got["pairs"] == m * n
         assert got["p_two_sided"] == pytest.approx(_permutation_p(xs, ys))
+        assert got["p_x_greater"] == pytest.approx(_permutation_p_greater(xs, ys))
+
+
+def test_the_one_sided_p_says_which_side_is_larger():
+    """The plugin's engines slower than every off engine: small p for "on is larger"; the same
+    values the other way round: p near 1 (a one-sided test is not symmetric)."""
+    slow, fast = [60.0, 61.0, 62.0, 63.0], [50.0, 51.0, 52.0, 53.0]
+    assert e2e_pool.mann_whitney(slow, fast)["p_x_greater"] == pytest.approx(1 / 70)
+    assert e2e_pool.mann_whitney(fast, slow)["p_x_greater"] == pytest.approx(1.0)
+    assert e2e_pool.mann_whitney(slow, fast)["p_two_sided"] == pytest.approx(2 / 70)
 
 
 # (xs, ys, U, p): p as the hand-written exact test computed it (the recurrence on whether the
@@ -96,7 +121,7 @@ def _engine(index, side, kv, ttft_ms, common_ms=None, error=False):
         # --host-regions records: forward_mha minus the side's own part is the common code.
         own = "plugin prefill key (op 3)" if side == "on" else "vLLM key concat"
         e["prefill"]["1024"]["host"] = [
-            {"execute_model_ms": [50.0 + c], "regions_ms": {"forward_mha": [61, c + 3.0], own: [61, 3.0],
+            {"execute_model_ms": [50.0 + c, 0.2], "regions_ms": {"forward_mha": [61, c + 3.0], own: [61, 3.0],
                                                             "MLAAttention.forward_impl": [61, c + 5.0],
                                                             "plugin forward_fused": [61, c + 9.0]}}
             for c in common_ms
@@ -140,6 +165,12 @@ def test_pool_takes_every_engines_median_and_each_runs_ratio():
     assert sorted(ttft["off"]) == pytest.approx(medians(off_a + off_b))  # the failed engine too
     assert ttft["median"]["on"] == pytest.approx(e2e_pool.med(medians(on_a + on_b)))
     assert ttft["mann_whitney"]["pairs"] == 3 * 3
+    # execute_model's host time of the prefill step (the first call of each TTFT request):
+    # 50 + c per request in _engine, so the engine's median is 50 + the median of c.
+    execs = pooled["prefill"][1024]["execute_model_host_ms"]
+    assert execs["on"] == pytest.approx([50.0 + e2e_pool.med(common)])
+    assert execs["off"] == pytest.approx([50.0 + e2e_pool.med(common[::-1])])
+    assert "p_x_greater" in execs["mann_whitney"]
     common_ms = pooled["prefill"][1024]["forward_mha_host_ms"]
     assert common_ms["on"] == pytest.approx([e2e_pool.med(common)]) and common_ms["off"] == pytest.approx(
         [e2e_pool.med(common)]

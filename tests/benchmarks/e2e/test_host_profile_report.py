@@ -146,7 +146,7 @@ def test_difference_is_on_minus_off_largest_first(R):
 
 
 def _write_side(folder: Path, side: str, windows: list[tuple[list[str], int, float, list[float]]],
-                threads: dict | None = None, gil_lines: list[str] | None = None) -> None:
+                threads: dict | None = None, gil_lines: list[str] | None = None, facts: dict | None = None) -> None:
     recs = []
     for i, (lines, units, window_ms, execs) in enumerate(windows):
         name = f"host_profile_compiled_{side}_prefill_1024_r{i}.collapsed"
@@ -159,6 +159,8 @@ def _write_side(folder: Path, side: str, windows: list[tuple[list[str], int, flo
             (folder / f"gil_{side}_{i}.collapsed").write_text("".join(gil_lines))
             recs[-1]["gil_collapsed"] = f"gil_{side}_{i}.collapsed"
     data = {"side": side, "mode": "compiled", "windows": recs, "sampler": {"kind": "py-spy", "rate_hz": 1000}}
+    if facts is not None:
+        data["facts"] = facts
     (folder / f"host_profile_compiled_{side}.json").write_text(json.dumps(data))
 
 
@@ -185,6 +187,47 @@ def test_report_from_files_attributes_the_extra_time(R, tmp_path):
     assert regions.index("`execute_model (model runner)`") < regions.index("`plugin: forward_fused`") \
         < regions.index("`plugin: validation.check_*`") < regions.index("`_concat_k_nope_k_pe")  # fmt: skip
     assert "| `check_prefill_rope_cache_write (vllm_mla_fusion/validation.py)` | 0.000 | 5.000 | +5.000 |" in md
+
+
+OP = frame("mla_attention_with_output", PLUGIN + "vllm_plugin/custom_ops.py", 133)
+KEY = frame("FusedMLAAttention.assemble_prefill_key", PLUGIN + "vllm_plugin/attention.py", 316)
+MHA = frame("MLACommonBaseImpl.forward_mha", MLA, 2950)
+EMPTY = frame("empty", SITE + "torch/_refs/__init__.py", 10)  # a torch frame: counts for its caller
+CACHE_OP = frame("unified_mla_kv_cache_update", MLA, 1400)
+
+
+def test_per_layer_measure_counts_the_plugins_own_code_and_the_vllm_work_it_replaces(R, tmp_path):
+    # on, per step (10 steps, 1 ms a sample): the op's own lines 3 ms, the key assembly inside
+    # forward_mha 2 ms (1 of it in a torch frame below it), vLLM's attention inside the op 5 ms:
+    # the plugin's own 5 ms. off: the cache write op 1.5 ms and the key concat 2.5 ms: 4 ms.
+    _write_side(tmp_path, "on", [([line(MAIN, [EXEC, OP, FUSED], 30), line(MAIN, [EXEC, OP, FUSED, IMPL, MHA], 50),
+                                   line(MAIN, [EXEC, OP, FUSED, IMPL, MHA, KEY], 10),
+                                   line(MAIN, [EXEC, OP, FUSED, IMPL, MHA, KEY, EMPTY], 10),
+                                   line(MAIN, [EXEC, FUSED], 7)], 10, 107.0, [10.7] * 10)],
+                facts={"layers": [{"prefix": "model.layers.0.self_attn.mla_attn"}, {"same_as_first_for": 4}]})  # fmt: skip
+    _write_side(tmp_path, "off", [([line(MAIN, [EXEC, CACHE_OP], 15), line(MAIN, [EXEC, IMPL, MHA, CONCAT], 25),
+                                    line(MAIN, [EXEC, IMPL, MHA], 60)], 10, 100.0, [10.0] * 10)])  # fmt: skip
+    on = R.summarize_side(R.load_side(tmp_path / "host_profile_compiled_on.json"))
+    off = R.summarize_side(R.load_side(tmp_path / "host_profile_compiled_off.json"))
+    assert on.per_layer_ms[R.PLUGIN_OWN] == pytest.approx(5.0)  # forward_fused outside the op: not counted
+    assert off.per_layer_ms[R.VLLM_REPLACED] == pytest.approx(4.0)
+    assert off.per_layer_ms[R.PLUGIN_OWN] == 0 and on.per_layer_ms[R.VLLM_REPLACED] == 0
+    md = R.build_report(tmp_path)
+    assert "Per layer (5 MLA layers)" in md
+    assert "| on: plugin's own code in its attention op | 5.00 | 1000.0 |" in md
+    assert "| on - off | +1.00 | +200.0 |" in md
+    assert "window by window: on: 1000, off: 800" in md
+
+
+def test_the_owner_of_a_sample_is_its_innermost_plugin_or_vllm_frame(R):
+    def stack(*frames):
+        return tuple(R.parse_frame(f) for f in frames)
+
+    assert R.owner(stack(EXEC, OP, FUSED, IMPL, MHA, KEY, EMPTY)) == "plugin"
+    assert R.owner(stack(EXEC, OP, FUSED, IMPL, MHA, EMPTY)) == "vllm"
+    assert R.owner(stack(EMPTY)) is None
+    assert R.layer_count({"facts": {"layers": [{"prefix": "a"}, {"prefix": "b"}]}}) == 2
+    assert R.layer_count({}) is None
 
 
 def test_report_names_a_missing_side(R, tmp_path):
