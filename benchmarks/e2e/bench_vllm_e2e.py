@@ -13,7 +13,10 @@ per engine:
 2. timing pass 0: for each batch B, B requests x 1 token and B requests x N tokens
    (``ignore_eos``), TPOT = (t_N - t_1) / (N - 1), the wall time of a decode step,
    throughput = B*N / t_N; for each prompt length L, one request of L tokens x 1
-   token, TTFT (each shape runs once untimed first);
+   token, TTFT; for each ``--mixed-lens`` L, a prompt of L tokens joining
+   ``--mixed-decoders`` requests that are decoding (the step that admits it is a mixed
+   step: decode rows and the prompt's rows in one launch per layer), its TTFT and that
+   step's host record (each shape runs once untimed first);
 3. GPU time: one torch-profiler session (vLLM's ``profiler_config``) over B requests x
    (1 + K) tokens for each B and one prefill per L; every engine step's kernels
    (benchmarks/e2e/vllm_trace.py); per decode step of batch B: the sum of kernel durations
@@ -106,6 +109,9 @@ DSV3_TP8_CONFIG = {
 }
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFILL_LENS = (1024, 4096, 16384)
+MIXED_LENS = (1024,)
+MIXED_DECODERS = 4
+MIXED_DECODE_TOKENS = 32
 KERNEL_BENCH_JSON = RESULTS / "bench_mla_rope_cache.json"
 # For the deadline (seconds), until measured: a cold engine start (compile + capture of 61
 # layers), a warm one (vLLM loads the AOT artifact its side compiled before), the least
@@ -266,6 +272,8 @@ class Bench:
             "on_mode": a.on_mode,
             "decode_batches": a.decode_batches,
             "prefill_lens": a.prefill_lens,
+            "mixed_lens": a.mixed_lens,
+            "mixed_decoders": a.mixed_decoders,
             "decode_tokens": a.decode_tokens,
             "prompt_len": a.prompt_len,
             "repeats": a.repeats,
@@ -279,11 +287,14 @@ class Bench:
 
     def llm_kwargs(self, kv: str, prof_dir: Path) -> dict:
         a = self.args
-        max_len = max(max(a.prefill_lens), a.prompt_len + a.decode_tokens + a.profile_decode_steps) + 256
+        longest = max([*a.prefill_lens, *a.mixed_lens])
+        max_len = max(longest, a.prompt_len + a.decode_tokens + a.profile_decode_steps) + 256
+        # A mixed step holds the decoders and the whole joining prompt.
+        batched = max(max(a.prefill_lens), max(a.decode_batches), *(n + a.mixed_decoders for n in a.mixed_lens))
         kw = dict(
             model=self.model_dir, load_format="dummy", skip_tokenizer_init=True, seed=0, kv_cache_dtype=kv,
-            max_model_len=max_len, max_num_batched_tokens=max(max(a.prefill_lens), max(a.decode_batches)),
-            max_num_seqs=max(a.decode_batches), profiler_config=E.profiler_config(str(prof_dir)),
+            max_model_len=max_len, max_num_batched_tokens=batched,
+            max_num_seqs=max(max(a.decode_batches), a.mixed_decoders + 1), profiler_config=E.profiler_config(str(prof_dir)),
         )  # fmt: skip
         if a.attention_backend:
             kw["attention_backend"] = a.attention_backend
@@ -514,7 +525,33 @@ class Bench:
             log(f"  pass {r} prefill L={length:5d}: TTFT {1e3 * t:.2f} ms; host: execute_model "
                 f"{host.get('execute_model_ms')} ms, sample_tokens {host.get('sample_tokens_ms')} ms, "
                 f"gc {host.get('gc_ms')} ms" + (f"; regions (calls, ms) {host['regions_ms']}" if "regions_ms" in host else ""))  # fmt: skip
+        for length in a.mixed_lens:
+            if r == 0:
+                self.mixed_request(llm, prompts, length)
+            m = rec.setdefault("mixed", {}).setdefault(str(length), {"ttft_s": [], "host": []})
+            t, host = self.mixed_request(llm, prompts, length)
+            m["ttft_s"].append(t)
+            m["host"].append(host)
+            log(f"  pass {r} mixed {a.mixed_decoders} decodes + L={length:5d}: TTFT {1e3 * t:.2f} ms; mixed step "
+                f"execute_model {host.get('execute_model_ms')} ms ({host.get('execute_model_tokens')} tokens)"
+                + (f"; regions (calls, ms) {host['regions_ms']}" if "regions_ms" in host else ""))  # fmt: skip
         self.finish_timing(rec)
+
+    def mixed_request(self, llm, prompts: Prompts, length: int) -> tuple[float, dict]:
+        """A prompt of ``length`` tokens joins ``--mixed-decoders`` requests that are decoding: its TTFT
+        (queued to its token), and the host record of the mixed step that admitted it
+        (``mixed_step_host``; the request's whole record where that step cannot be picked out)."""
+        a = self.args
+        # Enough output tokens that the decoders outlive their three warm steps and the prompt's steps.
+        decoding = sampling(max(a.decode_tokens, MIXED_DECODE_TOKENS))
+        with E.running_decoders(llm, prompts.take(a.mixed_decoders, a.prompt_len), decoding):
+            llm.collective_rpc(E.read_host_timer)  # drop the decoders' own steps
+            t = time.perf_counter()
+            rid = E.add_request(llm, prompts.take(1, length)[0], sampling(1), prefix="mixed")
+            E.engine_steps(llm, until=lambda finished: rid in finished)
+            dt = time.perf_counter() - t
+            host = E.host_summary(llm.collective_rpc(E.read_host_timer)[0])
+        return dt, mixed_step_host(host, length) or {**host, "mixed_step": "not found"}
 
     def finish_timing(self, rec: dict) -> None:
         n = self.args.decode_tokens
@@ -522,7 +559,7 @@ class Bench:
             tpot = [(y - x) / (n - 1) for x, y in zip(d["t1_s"], d["tN_s"])]
             d.update(tpot_ms=[1e3 * x for x in tpot], tpot_ms_median=1e3 * med(tpot),
                      throughput_tok_s=int(b) * n / med(d["tN_s"]), decode_tok_s=int(b) / med(tpot))  # fmt: skip
-        for p in rec["prefill"].values():
+        for p in [*rec["prefill"].values(), *rec.get("mixed", {}).values()]:
             p["ttft_ms_median"] = 1e3 * med(p["ttft_s"])
             execs = [sum(h["execute_model_ms"]) for h in p.get("host", []) if h.get("execute_model_ms")]
             p["execute_model_ms_median"] = med(execs) if execs else None
@@ -699,6 +736,11 @@ def summarize(report, args) -> dict:
                           "execute_model_ms": _pair(on, off, lambda e: e["prefill"][k]["execute_model_ms_median"]),
                           "busy_us": _pair(on, off, lambda e: e["profile"]["prefill"][k]["busy_us_median"]),
                           "host_span_us": _pair(on, off, lambda e: e["profile"]["prefill"][k]["host_span_us_median"])}  # fmt: skip
+        mixed = {}
+        for length in args.mixed_lens:
+            k = str(length)
+            mixed[k] = {"ttft_ms": _pair(on, off, lambda e: e.get("mixed", {})[k]["ttft_ms_median"]),
+                        "execute_model_ms": _pair(on, off, lambda e: e.get("mixed", {})[k]["execute_model_ms_median"])}  # fmt: skip
         first = {s: [1e3 * e["first_request"]["first_s"] for e in eng if "first_request" in e]
                  for s, eng in (("on", on), ("off", off))}  # fmt: skip
         excess = {s: [e["first_request"]["excess_ms"] for e in eng if "first_request" in e]
@@ -720,9 +762,11 @@ def summarize(report, args) -> dict:
                      for side, eng in (("on", on), ("off", off))}  # fmt: skip
             host[str(length)] = host_comparison(rows_["on"], rows_["off"])
         equal_speed = {str(L): h for L in args.prefill_lens if (h := host_at_equal_speed(on, off, str(L)))}
+        mixed_equal = {str(L): h for L in args.mixed_lens if (h := host_at_equal_speed(on, off, str(L), "mixed"))}
         out[kv] = {"decode": rows, "prefill": prefill, "first_request_ms": first, "first_request_excess_ms": excess,
                    "jit_after_warmup": jit, "backend": _backend(on + off), "kernel_diff": diffs,
-                   "prefill_host": host, "prefill_host_equal_speed": equal_speed}  # fmt: skip
+                   "prefill_host": host, "prefill_host_equal_speed": equal_speed, "mixed": mixed,
+                   "mixed_host_equal_speed": mixed_equal}  # fmt: skip
     return out
 
 
@@ -775,15 +819,32 @@ def _host_split(side: str, h: dict) -> dict | None:
             "rest": ex[0] - common - attention - pieces}  # fmt: skip
 
 
-def host_at_equal_speed(on: list, off: list, length: str) -> dict:
-    """The TTFT requests' host time per prefill step, on and off, at equal host speed.
+def mixed_step_host(host: dict, prompt_len: int) -> dict | None:
+    """The mixed step's own host record out of a request's (``host_summary``): its execute_model
+    call, the one that scheduled the most tokens (at least the joining prompt's ``prompt_len``),
+    with the regions timed inside that call. None where no call scheduled the whole prompt or the
+    record has no regions per call."""
+    tokens = host.get("execute_model_tokens") or []
+    per_call = host.get("execute_model_regions_ms")
+    if not tokens or not per_call or len(per_call) != len(tokens):
+        return None
+    i = max(range(len(tokens)), key=lambda j: tokens[j] or 0)
+    if (tokens[i] or 0) < prompt_len:
+        return None
+    return {"execute_model_ms": [host["execute_model_ms"][i]], "execute_model_tokens": [tokens[i]],
+            "regions_ms": per_call[i], "request_execute_model_ms": host["execute_model_ms"]}  # fmt: skip
+
+
+def host_at_equal_speed(on: list, off: list, length: str, section: str = "prefill") -> dict:
+    """The TTFT requests' host time per prefill step, on and off, at equal host speed (``section``
+    "mixed": the mixed steps of the ``--mixed-lens`` requests).
 
     The lent machines' host runs the same Python at speeds up to ~2.6x apart from one request
     to the next (docs/performance-history.md). ``common`` (vLLM's own forward_mha code, identical on
     both sides) measures each request's speed: factor = common / the off side's median common;
     every part of the request divided by its factor is its time at the off side's median speed.
     Per side: the factors' range and the medians of the normalized parts (ms)."""
-    splits = {side: [x for e in eng for h in e.get("prefill", {}).get(length, {}).get("host", [])
+    splits = {side: [x for e in eng for h in e.get(section, {}).get(length, {}).get("host", [])
                      if (x := _host_split(side, h))] for side, eng in (("on", on), ("off", off))}  # fmt: skip
     base = med([x["common"] for x in splits["off"]]) if splits["off"] else None
     if not base or base <= 0:
@@ -854,17 +915,26 @@ def write_markdown(report, path: Path) -> None:
                          f"{_f(row['execute_model_ms']['off'], '{:.2f}')} | {_f(row['execute_model_ms']['on'], '{:.2f}')} | "
                          f"{_f(row['busy_us']['off'])} | {_f(row['busy_us']['on'])} | "
                          f"{_f(row['host_span_us']['off'])} | {_f(row['host_span_us']['on'])} |")  # fmt: skip
+        if r.get("mixed"):
+            lines += ["", f"| mixed: {report['config'].get('mixed_decoders')} decodes + a prompt of L | TTFT off (ms) | on | mixed step's "
+                      "execute_model host off (ms) | on |", "|---|---|---|---|---|"]  # fmt: skip
+            for length, row in r["mixed"].items():
+                lines.append(f"| {length} | {_f(row['ttft_ms']['off'], '{:.2f}')} | {_f(row['ttft_ms']['on'], '{:.2f}')} | "
+                             f"{_f(row['execute_model_ms']['off'], '{:.2f}')} | {_f(row['execute_model_ms']['on'], '{:.2f}')} |")  # fmt: skip
         lines += ["", f"- first request (B=1, prefill + 1 token) ms, per engine: on {r['first_request_ms']['on']}, "
                   f"off {r['first_request_ms']['off']}; excess over the next three: on "
                   f"{r['first_request_excess_ms']['on']}, off {r['first_request_excess_ms']['off']}",
                   f"- Triton JIT compilations after warm-up (kernel, phase, ms): on {r['jit_after_warmup']['on']}; "
                   f"off {r['jit_after_warmup']['off']}", ""]  # fmt: skip
-        if r.get("prefill_host_equal_speed"):
+        equal = [(str(L), h) for L, h in (r.get("prefill_host_equal_speed") or {}).items()]
+        equal += [(f"mixed {L}", h) for L, h in (r.get("mixed_host_equal_speed") or {}).items()]
+        if equal:
             lines += ["execute_model host time per TTFT request at equal host speed (--host-regions; each request "
-                      "scaled by its speed factor, measured on vLLM's own forward_mha code), medians in ms:", "",
+                      "scaled by its speed factor, measured on vLLM's own forward_mha code; \"mixed L\": the mixed "
+                      "step of a prompt joining the decodes), medians in ms:", "",
                       "| prefill L | side | requests | speed factor range | execute_model | attention region | "
                       "compiled pieces | rest |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-            for length, h in r["prefill_host_equal_speed"].items():
+            for length, h in equal:
                 for side in ("off", "on"):
                     if side in h:
                         x = h[side]
@@ -950,6 +1020,10 @@ def print_summary(report) -> None:
             print(f"   prefill {length}: TTFT off {_f(row['ttft_ms']['off'], '{:.2f}')} on {_f(row['ttft_ms']['on'], '{:.2f}')} ms; "
                   f"execute_model off {_f(row['execute_model_ms']['off'], '{:.2f}')} on "
                   f"{_f(row['execute_model_ms']['on'], '{:.2f}')} ms")  # fmt: skip
+        for length, row in (r.get("mixed") or {}).items():
+            print(f"   mixed + {length}: TTFT off {_f(row['ttft_ms']['off'], '{:.2f}')} on {_f(row['ttft_ms']['on'], '{:.2f}')} ms; "
+                  f"mixed step execute_model off {_f(row['execute_model_ms']['off'], '{:.2f}')} on "
+                  f"{_f(row['execute_model_ms']['on'], '{:.2f}')} ms")  # fmt: skip
         print(f"   first request ms: on {r['first_request_ms']['on']} off {r['first_request_ms']['off']}")
         print(f"   JIT after warm-up: on {r['jit_after_warmup']['on']} off {r['jit_after_warmup']['off']}")
     if report.get("skipped"):
@@ -1008,6 +1082,9 @@ def parse_args(argv=None):
     ap.add_argument("--attention-backend", default=None, help="force a backend (default: vLLM's choice)")
     ap.add_argument("--decode-batches", type=int, nargs="+", default=list(DECODE_BATCHES))
     ap.add_argument("--prefill-lens", type=int, nargs="+", default=list(PREFILL_LENS))
+    ap.add_argument("--mixed-lens", type=int, nargs="*", default=list(MIXED_LENS),
+                    help="prompt lengths that join running decodes (a mixed step each); none: no mixed section")
+    ap.add_argument("--mixed-decoders", type=int, default=MIXED_DECODERS, help="requests decoding when such a prompt arrives")
     ap.add_argument("--decode-tokens", type=int, default=64, help="N of the TPOT difference")
     ap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens of the decode requests")
     ap.add_argument("--repeats", type=int, default=3)
@@ -1027,6 +1104,8 @@ def parse_args(argv=None):
     if args.smoke:
         args.decode_batches = [1, 2]
         args.prefill_lens = [24]
+        args.mixed_lens = [16]
+        args.mixed_decoders = 2
         args.decode_tokens = 3
         args.prompt_len = 8
         args.repeats = 1

@@ -69,14 +69,30 @@ def _common_ms(side: str, p: dict) -> float | None:
     return med([x["common"] for h in p.get("host", []) if (x := _host_split(side, h))])
 
 
+def _attention_per_common(side: str, p: dict) -> float | None:
+    """The engine's median, over its requests, of the attention region's host time (on: the
+    plugin's forward_fused less vLLM's forward_mha code; off: vLLM's forward_impl less the same,
+    plus its cache write) over vLLM's own forward_mha code in the same step: issue 20's per-layer
+    comparison with the host's speed divided out (the same code runs as forward_mha's on both
+    sides), one number per engine."""
+    return med([x["attention"] / x["common"] for h in p.get("host", []) if (x := _host_split(side, h)) and x["common"] > 0])
+
+
 def _engine_figures(e: dict):
-    """(key, value) of each figure pooled per engine: per prefill length, its median TTFT and its
-    host time in vLLM's own forward_mha code; and ("all", ...) the host-speed probe's medians,
+    """(key, value) of each figure pooled per engine: per prefill length (and per ``"mixed L"``, the
+    mixed step of a prompt joining running decodes), its median TTFT, execute_model host time, host
+    time in vLLM's own forward_mha code and attention region over it; and ("all", ...) the host-speed probe's medians,
     where the run has them (since the fourth lease). Values may be None (not measured)."""
     for length, p in e.get("prefill", {}).items():
         yield (int(length), "ttft_ms"), _ttft_ms(e["side"], p)
         yield (int(length), "execute_model_host_ms"), _execute_model_ms(e["side"], p)
         yield (int(length), "forward_mha_host_ms"), _common_ms(e["side"], p)
+        yield (int(length), "attention_per_forward_mha"), _attention_per_common(e["side"], p)
+    # A prompt joining running decodes: its TTFT, and the mixed step's host figures.
+    for length, m in e.get("mixed", {}).items():
+        yield (f"mixed {length}", "ttft_ms"), _ttft_ms(e["side"], m)
+        yield (f"mixed {length}", "execute_model_host_ms"), _execute_model_ms(e["side"], m)
+        yield (f"mixed {length}", "attention_per_forward_mha"), _attention_per_common(e["side"], m)
     if e.get("host_probe"):
         for metric in ("python_us_per_1k", "torch_slice_us"):
             yield ("all", f"probe_{metric}"), med([x[metric] for x in e["host_probe"]])
@@ -125,11 +141,15 @@ def pool(reports: dict[str, dict]) -> dict:
             decode[b] = {"runs": runs, **runs_summary}
         slots = _pool_engines(reports, kv)
         prefill: dict = {}
+        mixed: dict = {}
         for (length, metric), slot in slots.items():
-            if length != "all":
+            if isinstance(length, int):
                 prefill.setdefault(length, {})[metric] = slot
+            elif length.startswith("mixed "):
+                mixed.setdefault(int(length.split()[1]), {})[metric] = slot
         probe = {metric: slot for (group, metric), slot in slots.items() if group == "all"}
-        out[kv] = {"decode": dict(sorted(decode.items())), "prefill": dict(sorted(prefill.items())), "engine": probe}
+        out[kv] = {"decode": dict(sorted(decode.items())), "prefill": dict(sorted(prefill.items())),
+                   "mixed": dict(sorted(mixed.items())), "engine": probe}  # fmt: skip
     return out
 
 
@@ -152,11 +172,14 @@ def markdown(pooled: dict, names: list[str]) -> str:
                   "for a time):", "",
                   "| prefill L | figure | engines on | off | median on | off | U (of pairs) | p | p (on larger) |",
                   "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-        for length, metrics in [*k["prefill"].items(), ("all", k.get("engine", {}))]:
+        rows = [*k["prefill"].items(), *((f"mixed {n}", m) for n, m in k.get("mixed", {}).items()),
+                ("all", k.get("engine", {}))]  # fmt: skip
+        for length, metrics in rows:
             for metric, s in metrics.items():
                 mw = s["mann_whitney"]
-                lines.append(f"| {length} | {metric} | {len(s['on'])} | {len(s['off'])} | {_f(s['median']['on'], '{:.1f}')} | "
-                             f"{_f(s['median']['off'], '{:.1f}')} | "
+                fmt = "{:.3f}" if "_per_" in metric else "{:.1f}"  # a ratio, or ms / us
+                lines.append(f"| {length} | {metric} | {len(s['on'])} | {len(s['off'])} | {_f(s['median']['on'], fmt)} | "
+                             f"{_f(s['median']['off'], fmt)} | "
                              + (f"{mw['u']:g} ({mw['pairs']}) | {mw['p_two_sided']:.3f} | {mw['p_x_greater']:.3f} |"
                                 if mw else "- | - | - |"))  # fmt: skip
         lines.append("")

@@ -391,7 +391,6 @@ class Side:
         self.control = Path(args.control)
         self.json_path = self.out / f"host_profile_{self.name}.json"
         self.prompts = B.Prompts(args.vocab, seed=1000 * MODES.index(args.mode) + SIDES.index(args.side))
-        self.ids = 0
         self.record: dict = {"side": args.side, "mode": args.mode, "pid": os.getpid(), "windows": [], "argv": sys.argv,
                              "engine": "engine-core process" if args.engine_process else "in-process"}  # fmt: skip
         self.engine_pid = os.getpid()
@@ -470,39 +469,16 @@ class Side:
         for _ in range(requests):
             llm.generate(self.prompts.take(1, length), B.sampling(1), use_tqdm=False)
 
-    def _add(self, llm, length: int, max_tokens: int) -> str:
-        """Queue one request on the engine; its id (as the engine's outputs name it)."""
-        self.ids += 1
-        rid = f"hp-{self.ids}"
-        llm.llm_engine.add_request(rid, self.prompts.take(1, length)[0], B.sampling(max_tokens))
-        return rid
-
-    def _step(self, llm, steps: int | None = None, until=None) -> None:
-        """Engine steps: ``steps`` of them, or until ``until(finished request ids)`` holds."""
-        finished: set = set()
-        for n in range(10_000):
-            if (steps is not None and n >= steps) or (until is not None and until(finished)):
-                return
-            finished |= {o.request_id for o in llm.llm_engine.step() if o.finished}
-        raise RuntimeError("the engine did not finish in 10000 steps")
-
-    @contextlib.contextmanager
     def decoders(self, llm):
-        """``mixed_decoders`` requests decoding for the body's duration (their prefill step and two
-        decode steps taken before it), aborted after it."""
+        """``mixed_decoders`` requests decoding for the body's duration (vllm_engine.running_decoders)."""
         a = self.args
-        rids = [self._add(llm, DECODE_PROMPT, a.mixed_decode_tokens) for _ in range(a.mixed_decoders)]
-        self._step(llm, steps=3)
-        try:
-            yield
-        finally:
-            llm.llm_engine.abort_request(rids)
-            self._step(llm, until=lambda _: not llm.llm_engine.has_unfinished_requests())
+        return E.running_decoders(llm, self.prompts.take(a.mixed_decoders, DECODE_PROMPT),
+                                  B.sampling(a.mixed_decode_tokens), prefix="hp-dec")  # fmt: skip
 
     def mixed_round(self, llm) -> None:
         """A prefill of ``mixed_prefill`` tokens joins the decoders; steps until its token is out."""
-        rid = self._add(llm, self.args.mixed_prefill, 1)
-        self._step(llm, until=lambda finished: rid in finished)
+        rid = E.add_request(llm, self.prompts.take(1, self.args.mixed_prefill)[0], B.sampling(1), prefix="hp")
+        E.engine_steps(llm, until=lambda finished: rid in finished)
 
     def workloads(self) -> list[tuple[str, str, int]]:
         """(name, unit, units per window)."""

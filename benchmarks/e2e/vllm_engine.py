@@ -29,8 +29,10 @@ the JIT log) lives on the worker object, in the process that runs the model.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
+import itertools
 import os
 import time
 
@@ -409,6 +411,41 @@ def read_jit_log(worker) -> list:
     return list(getattr(worker, "_mla_jit_log", None) or [])
 
 
+_REQUEST_IDS = itertools.count()
+
+
+def add_request(llm, prompt: dict, params, prefix: str = "req") -> str:
+    """Queue one request on ``llm``'s engine (``LLMEngine.add_request``); its id."""
+    rid = f"{prefix}-{next(_REQUEST_IDS)}"
+    llm.llm_engine.add_request(rid, prompt, params)
+    return rid
+
+
+def engine_steps(llm, steps: int | None = None, until=None, limit: int = 10_000) -> set:
+    """Engine steps (``LLMEngine.step``): ``steps`` of them, or until ``until(finished ids)`` holds;
+    the ids of the requests that finished."""
+    finished: set = set()
+    for n in range(limit):
+        if (steps is not None and n >= steps) or (until is not None and until(finished)):
+            return finished
+        finished |= {o.request_id for o in llm.llm_engine.step() if o.finished}
+    raise RuntimeError(f"the engine did not get there in {limit} steps")
+
+
+@contextlib.contextmanager
+def running_decoders(llm, prompts: list[dict], params, prefix: str = "dec"):
+    """``prompts`` decoding for the body's duration: queued, their prefill step and two decode
+    steps taken before it, aborted and the engine drained after it. A prompt queued in the body
+    joins a batch of decodes: the step that admits it is a mixed step."""
+    rids = [add_request(llm, p, params, prefix) for p in prompts]
+    engine_steps(llm, steps=3)
+    try:
+        yield rids
+    finally:
+        llm.llm_engine.abort_request(rids)
+        engine_steps(llm, until=lambda _: not llm.llm_engine.has_unfinished_requests())
+
+
 def _timed(fn, record):
     """``fn`` wrapped to call ``record(args, start, seconds)`` after every call (host clock)."""
 
@@ -430,18 +467,28 @@ def install_host_timer(worker) -> bool:
     Host clock only (``perf_counter``, no device sync): with async scheduling these calls
     return once their work is launched, so their span is the host's share of a step, the
     profiler's step span without the profiler's overhead. Each call: (name, start, seconds,
-    scheduled tokens); each collection: (generation, start, seconds). ``read_host_timer``
-    returns and clears them.
+    scheduled tokens); each collection: (generation, start, seconds). With the region timer
+    (``install_region_timer``) each ``execute_model`` call also gets the regions timed inside it
+    (``step_regions``: one step's own regions where a request runs several steps).
+    ``read_host_timer`` returns and clears them.
     """
     if getattr(worker, "_mla_host_log", None) is not None:
         return True
-    log_ = worker._mla_host_log = {"calls": [], "gc": []}
+    log_ = worker._mla_host_log = {"calls": [], "gc": [], "step_regions": [], "regions_seen": {}}
     runner = worker.model_runner
 
     def record_call(name):
         def record(args, t, seconds):
             tokens = getattr(args[0], "total_num_scheduled_tokens", None) if args else None
             log_["calls"].append((name, t, seconds, tokens))
+            if name == "execute_model" and "regions" in log_:
+                # The region totals grew by this call's own regions since the previous call ended.
+                seen, totals = log_["regions_seen"], log_["regions"]
+                zero = (0, 0.0)
+                log_["step_regions"].append({k: (n - seen.get(k, zero)[0], sec - seen.get(k, zero)[1])
+                                             for k, (n, sec) in totals.items() if n != seen.get(k, zero)[0]})  # fmt: skip
+                seen.clear()
+                seen.update({k: (n, sec) for k, (n, sec) in totals.items()})
 
         return record
 
@@ -463,7 +510,7 @@ def install_host_timer(worker) -> bool:
 def read_host_timer(worker) -> dict:
     """(remote, collective_rpc) What ``install_host_timer`` recorded since the last read (then cleared)."""
     log_ = getattr(worker, "_mla_host_log", None) or {"calls": [], "gc": []}
-    out = {k: (dict(v) if isinstance(v, dict) else list(v)) for k, v in log_.items()}
+    out = {k: (dict(v) if isinstance(v, dict) else list(v)) for k, v in log_.items() if k != "regions_seen"}
     for v in log_.values():
         v.clear()
     return out
@@ -483,6 +530,10 @@ def host_summary(log_: dict) -> dict:
     }
     if log_.get("regions"):
         out["regions_ms"] = {k: [n, round(1e3 * s, 3)] for k, (n, s) in sorted(log_["regions"].items())}
+    if log_.get("step_regions") and len(log_["step_regions"]) == len(execs):
+        # Per execute_model call, in the order of execute_model_ms.
+        out["execute_model_regions_ms"] = [{k: [n, round(1e3 * s, 3)] for k, (n, s) in sorted(r.items())}
+                                           for r in log_["step_regions"]]  # fmt: skip
     if calls:
         first, last = min(c[1] for c in calls), max(c[1] + c[2] for c in calls)
         out["engine_span_ms"] = round(1e3 * (last - first), 3)  # first call's start to last call's end

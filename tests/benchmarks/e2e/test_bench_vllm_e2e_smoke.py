@@ -136,6 +136,28 @@ def test_host_time_recorded(report):
     assert "at equal host speed" in report["_md"]
 
 
+def test_mixed_step_measured(report):
+    """A prompt joining running decodes: its TTFT, and the host record of the step that admitted it
+    (the decoders' rows and the whole prompt in one step), with that step's own regions."""
+    cfg = report["config"]
+    for e in report["engines"]:
+        n_layers = len(e["facts"]["layers"])
+        for length in cfg["mixed_lens"]:
+            m = e["mixed"][str(length)]
+            assert len(m["ttft_s"]) == len(m["host"]) == cfg["repeats"]
+            for h, ttft_s in zip(m["host"], m["ttft_s"]):
+                assert "mixed_step" not in h, h  # picked out of the request's record
+                assert h["execute_model_tokens"] == [length + cfg["mixed_decoders"]], h
+                assert 0 < h["execute_model_ms"][0] < 1e3 * ttft_s
+                calls, ms = h["regions_ms"]["forward_mha"]
+                assert calls == n_layers and 0 < ms < h["execute_model_ms"][0]
+                assert ("plugin prefill key (op 3)" in h["regions_ms"]) == (e["side"] == "on")
+    s = report["summary"]["auto"]
+    assert s["mixed"][str(cfg["mixed_lens"][0])]["ttft_ms"]["on"] > 0
+    assert set(s["mixed_host_equal_speed"][str(cfg["mixed_lens"][0])]) == {"on", "off"}
+    assert f"mixed: {cfg['mixed_decoders']} decodes + a prompt of L" in report["_md"]
+
+
 def test_prediction_and_summary(report):
     pred = report["prediction"]
     assert "error" not in pred, pred

@@ -171,6 +171,10 @@ def test_pool_takes_every_engines_median_and_each_runs_ratio():
     assert execs["on"] == pytest.approx([50.0 + e2e_pool.med(common)])
     assert execs["off"] == pytest.approx([50.0 + e2e_pool.med(common[::-1])])
     assert "p_x_greater" in execs["mann_whitney"]
+    # The attention region over vLLM's forward_mha code, per request (9 / c on, 5 / c off in _engine).
+    ratio = pooled["prefill"][1024]["attention_per_forward_mha"]
+    assert ratio["on"] == pytest.approx([e2e_pool.med([9.0 / c for c in common])])
+    assert ratio["off"] == pytest.approx([e2e_pool.med([5.0 / c for c in common])])
     common_ms = pooled["prefill"][1024]["forward_mha_host_ms"]
     assert common_ms["on"] == pytest.approx([e2e_pool.med(common)]) and common_ms["off"] == pytest.approx(
         [e2e_pool.med(common)]
@@ -182,6 +186,26 @@ def test_pool_takes_every_engines_median_and_each_runs_ratio():
     assert d1["runs"]["a"]["tpot_noise_ms"] == 0.2
     text = e2e_pool.markdown(e2e_pool.pool({"a": run_a, "b": run_b}), ["a", "b"])
     assert "| 64 | 0.75 | -0.05 | 0.35 | -0.05 | 1 of 2 |" in text
+
+
+def test_pool_keeps_the_mixed_steps_apart_from_the_prefills():
+    """An engine's "mixed" section (a prompt joining running decodes) pools under "mixed", keyed by
+    the prompt's length, with its own TTFT and host figures; the prefill rows stay as they were."""
+    engines = []
+    for i, side in enumerate(["on", "off", "off", "on"]):
+        e = _engine(i, side, "auto", [50.0 + i], [14.0])
+        e["mixed"] = {"1024": {"ttft_s": [0.070 + 0.001 * i], "host": [dict(h) for h in e["prefill"]["1024"]["host"]]}}
+        engines.append(e)
+    pooled = e2e_pool.pool({"a": _report(engines, {})})["auto"]
+    mixed = pooled["mixed"][1024]
+    assert sorted(mixed["ttft_ms"]["on"]) == pytest.approx([70.0, 73.0])
+    assert sorted(mixed["ttft_ms"]["off"]) == pytest.approx([71.0, 72.0])
+    assert mixed["attention_per_forward_mha"]["on"] == pytest.approx([9.0 / 14.0] * 2)
+    assert mixed["execute_model_host_ms"]["off"] == pytest.approx([64.0, 64.0])
+    assert sorted(pooled["prefill"][1024]["ttft_ms"]["on"]) == pytest.approx([50.0, 53.0])
+    text = e2e_pool.markdown(e2e_pool.pool({"a": _report(engines, {})}), ["a"])
+    assert "| mixed 1024 | ttft_ms | 2 | 2 |" in text
+    assert "| mixed 1024 | attention_per_forward_mha | 2 | 2 | 0.643 | 0.357 |" in text
 
 
 def test_main_reads_gzipped_runs_and_refuses_smoke_only_input(tmp_path, capsys):
