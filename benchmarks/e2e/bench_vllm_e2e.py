@@ -82,6 +82,7 @@ if os.environ.get("MLA_FUSION_E2E_CPU_STANDINS") == "1":
 
 from demo.tiny_model import DSV3_ARCHITECTURE, yarn_rope_scaling  # noqa: E402
 
+from .. import provenance  # noqa: E402
 from . import vllm_engine as E  # noqa: E402 - stdlib only at import: no vLLM, no CUDA
 from . import vllm_trace as T  # noqa: E402
 
@@ -883,7 +884,8 @@ def write_markdown(report, path: Path) -> None:
     if report["config"]["mode"] == "smoke":
         lines += ["**CPU smoke run: every number below is meaningless (CPU, tiny model, no CUDA graphs).**", ""]
     lines += [f"- device: {env.get('device')}; vLLM {env.get('vllm')}, torch {env.get('torch')}, Triton {env.get('triton')}; "
-              f"git {env.get('git_commit')}{' (dirty)' if env.get('git_dirty') else ''}",
+              f"git {env.get('git_commit')}{' (dirty)' if env.get('git_dirty') else ''}, package_sha256 "
+              f"{env.get('package_sha256')}",
               f"- model: {report['config']['model']}, {NUM_LAYERS} layers in full mode; decode prompts "
               f"{report['config']['prompt_len']} tokens, N = {report['config']['decode_tokens']} output tokens; "
               f"{report['config']['repeats']} repeats per engine",
@@ -1047,13 +1049,7 @@ def environment(args) -> dict:
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
-    try:
-        env["git_commit"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                                           text=True, timeout=10).stdout.strip() or None  # fmt: skip
-        env["git_dirty"] = bool(subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True,
-                                               text=True, timeout=10).stdout.strip())  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        env["git_commit"] = None
+    env.update(provenance.source_facts(REPO))  # commit, dirtiness and the package's digest
     if args.smoke:
         env["device"] = f"CPU ({platform.machine()})"
     else:

@@ -53,6 +53,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+from .. import provenance
+
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -1067,14 +1069,7 @@ def environment(args, device) -> dict:
         env["triton"] = triton.__version__
     except Exception as e:  # noqa: BLE001
         env["triton"] = f"unavailable: {e}"
-    try:
-        env["git_commit"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                                           text=True, timeout=10).stdout.strip() or None  # fmt: skip
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True,
-                               timeout=10).stdout  # fmt: skip
-        env["git_dirty"] = bool(dirty.strip())
-    except Exception:  # noqa: BLE001
-        env["git_commit"] = None
+    env.update(provenance.source_facts(REPO))  # commit, dirtiness and the package's digest
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         env["device"] = {"name": p.name, "sms": p.multi_processor_count, "memory_GiB": p.total_memory / 2**30,

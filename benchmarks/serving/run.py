@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from .. import provenance
 from . import models, probe, report
 from .loads import DEFAULT_LOADS, parse_loads, scaled_prompts
 from .plan import MIN_SCALE, PROBE_S, SPEEDS, TEARDOWN_S, Estimator, Measured, plan
@@ -243,7 +244,8 @@ class Benchmark:
         out = subprocess.run([sys.executable, "-P", "-c", probe], env=self.side_env(side), cwd=self.server_spec().cwd,
                              capture_output=True, text=True, timeout=60)  # fmt: skip
         origin = out.stdout.strip() or None
-        facts = {"package": origin}
+        # The digest names the commit even where the machine's git metadata lags its tree.
+        facts = {"package": origin, "package_sha256": provenance.package_sha256(Path(origin).parent) if origin else None}
         if side.checkout is not None:
             if not origin or not Path(origin).resolve().is_relative_to(side.checkout):
                 raise SideMismatch(f"side {side.name}: a server would import vllm_mla_fusion from {origin}, "
@@ -568,7 +570,7 @@ def _environment() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     env = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "python": sys.version.split()[0],
-           "argv": sys.argv, "git_commit": _git_head(REPO)}  # fmt: skip
+           "argv": sys.argv, **provenance.source_facts(REPO)}  # fmt: skip
     for name in ("vllm", "torch", "triton", "transformers"):
         try:
             env[name] = version(name)

@@ -112,9 +112,15 @@ def test_the_plugin_package_a_side_imports(tmp_path):
     bench = run.Benchmark(run.parse_args(["--out", str(tmp_path), "--sides", "on", f"on@{old}", "--layers", "4"]))
     bench.work.mkdir(parents=True)
     on, baseline = bench.args.side_list
+    from benchmarks import provenance
+
     assert bench.plugin_origin(baseline) == {"package": str(old.resolve() / "vllm_mla_fusion" / "__init__.py"),
+                                             "package_sha256": provenance.package_sha256(old / "vllm_mla_fusion"),
                                              "commit": "abc123"}  # fmt: skip
     assert bench.plugin_origin(on)["package"] == str(run.REPO / "vllm_mla_fusion" / "__init__.py")
+    # The digest of the package each side imports: the two differ, as the packages do.
+    assert bench.plugin_origin(on)["package_sha256"] == provenance.package_sha256(run.REPO / "vllm_mla_fusion")
+    assert bench.plugin_origin(on)["package_sha256"] != bench.plugin_origin(baseline)["package_sha256"]
     (bench.work / "vllm_mla_fusion").mkdir()  # a copy in the servers' working directory is never the one found
     (bench.work / "vllm_mla_fusion" / "__init__.py").write_text("")
     assert bench.plugin_origin(baseline)["package"] == str(old.resolve() / "vllm_mla_fusion" / "__init__.py")
