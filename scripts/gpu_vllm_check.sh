@@ -7,6 +7,9 @@
 #     e2e1      end-to-end benchmark part 1: bf16 KV cache, 2 engines per side alternating on/off
 #     e2e2      part 2: fp8 KV cache, 2 per side, then more bf16 pairs while the deadline allows
 #     ttft      the 1k-TTFT question: bf16, 3 engines per side alternating, host timers per region
+#     insitu    issue 20's in-situ run: up to 4 engines per side, TTFT at 1k/4k/16k, a 1k prompt joining
+#               4 decodes (the mixed step's host record), host regions; $INSITU_KV auto (default) or fp8,
+#               $INSITU_SUFFIX appended to the tag (a second run of the same lease)
 #     e2ex      a part of one's own: tag $E2E_TAG (default partx), benchmark options $E2E_ARGS (default a
 #               bf16 pair); variants of the plugin come from the environment (its variables set for
 #               the call), and the compile caches in $E2E_WORK from earlier parts make its engines warm
@@ -172,10 +175,15 @@ for stage in $stages; do
   # The 1k TTFT question: three engines per side, host timers, prefill and one decode batch only.
   ttft) stage_e2e ttft --kv-cache-dtypes auto --runs 3 --decode-batches 1 --prefill-lens 1024 4096 --repeats 6 \
     --host-regions || status=1 ;;
+  # Issue 20's in-situ run: pooled engines (4 per side as far as the call allows), prefills and a
+  # prompt joining 4 decodes (a mixed step), host regions; cache dtype $INSITU_KV (auto or fp8).
+  # Runs of one lease pool with benchmarks/e2e/e2e_pool.py.
+  insitu) stage_e2e "insitu_${INSITU_KV:-auto}${INSITU_SUFFIX:-}" --kv-cache-dtypes "${INSITU_KV:-auto}" --runs 4 \
+    --decode-batches 1 16 64 256 --prefill-lens 1024 4096 16384 --mixed-lens 1024 --repeats 6 --host-regions || status=1 ;;
   # shellcheck disable=SC2086 # E2E_ARGS is a list of options
   e2ex) stage_e2e "${E2E_TAG:-partx}" ${E2E_ARGS:---kv-cache-dtypes auto --runs 1} || status=1 ;;
   hostprof) stage_hostprof || status=1 ;;
-  *) echo "unknown stage $stage (install env tests e2e1 e2e2 e2ex ttft hostprof)"; status=2 ;;
+  *) echo "unknown stage $stage (install env tests e2e1 e2e2 e2ex ttft insitu hostprof)"; status=2 ;;
   esac
 done
 echo "==== gpu_vllm_check: ${SECONDS}s, stages: $stages"
