@@ -541,7 +541,7 @@ class Bench:
     def mixed_request(self, llm, prompts: Prompts, length: int) -> tuple[float, dict]:
         """A prompt of ``length`` tokens joins ``--mixed-decoders`` requests that are decoding: its TTFT
         (queued to its token), and the host record of the mixed step that admitted it
-        (``mixed_step_host``; the request's whole record where that step cannot be picked out)."""
+        (``mixed_step_host``; ``{"mixed_step": "not found", "request": ...}`` where it cannot be picked out)."""
         a = self.args
         # Enough output tokens that the decoders outlive their three warm steps and the prompt's steps.
         decoding = sampling(max(a.decode_tokens, MIXED_DECODE_TOKENS))
@@ -552,7 +552,9 @@ class Bench:
             E.engine_steps(llm, until=lambda finished: rid in finished)
             dt = time.perf_counter() - t
             host = E.host_summary(llm.collective_rpc(E.read_host_timer)[0])
-        return dt, mixed_step_host(host, length) or {**host, "mixed_step": "not found"}
+        # Where the step cannot be picked out, the request's record is kept aside: its TTFT still
+        # counts, its host figures (several steps together) stay out of the mixed-step medians.
+        return dt, mixed_step_host(host, length) or {"mixed_step": "not found", "request": host}
 
     def finish_timing(self, rec: dict) -> None:
         n = self.args.decode_tokens
