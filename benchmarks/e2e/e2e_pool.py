@@ -79,7 +79,7 @@ def _attention_per_common(side: str, p: dict) -> float | None:
 
 
 def _engine_figures(e: dict):
-    """(key, value) of each figure pooled per engine: per prefill length (and per ``"mixed L"``, the
+    """(key, value) of each figure pooled per engine: per prefill length (and per ``("mixed", L)``, the
     mixed step of a prompt joining running decodes), its median TTFT, execute_model host time, host
     time in vLLM's own forward_mha code and attention region over it; and ("all", ...) the host-speed probe's medians,
     where the run has them (since the fourth lease). Values may be None (not measured)."""
@@ -90,9 +90,10 @@ def _engine_figures(e: dict):
         yield (int(length), "attention_per_forward_mha"), _attention_per_common(e["side"], p)
     # A prompt joining running decodes: its TTFT, and the mixed step's host figures.
     for length, m in e.get("mixed", {}).items():
-        yield (f"mixed {length}", "ttft_ms"), _ttft_ms(e["side"], m)
-        yield (f"mixed {length}", "execute_model_host_ms"), _execute_model_ms(e["side"], m)
-        yield (f"mixed {length}", "attention_per_forward_mha"), _attention_per_common(e["side"], m)
+        key = ("mixed", int(length))
+        yield (key, "ttft_ms"), _ttft_ms(e["side"], m)
+        yield (key, "execute_model_host_ms"), _execute_model_ms(e["side"], m)
+        yield (key, "attention_per_forward_mha"), _attention_per_common(e["side"], m)
     if e.get("host_probe"):
         for metric in ("python_us_per_1k", "torch_slice_us"):
             yield ("all", f"probe_{metric}"), med([x[metric] for x in e["host_probe"]])
@@ -142,11 +143,11 @@ def pool(reports: dict[str, dict]) -> dict:
         slots = _pool_engines(reports, kv)
         prefill: dict = {}
         mixed: dict = {}
-        for (length, metric), slot in slots.items():
-            if isinstance(length, int):
-                prefill.setdefault(length, {})[metric] = slot
-            elif length.startswith("mixed "):
-                mixed.setdefault(int(length.split()[1]), {})[metric] = slot
+        for (group, metric), slot in slots.items():  # group: a prefill length, ("mixed", L) or "all"
+            if isinstance(group, int):
+                prefill.setdefault(group, {})[metric] = slot
+            elif isinstance(group, tuple):
+                mixed.setdefault(group[1], {})[metric] = slot
         probe = {metric: slot for (group, metric), slot in slots.items() if group == "all"}
         out[kv] = {"decode": dict(sorted(decode.items())), "prefill": dict(sorted(prefill.items())),
                    "mixed": dict(sorted(mixed.items())), "engine": probe}  # fmt: skip
