@@ -103,14 +103,14 @@ def check_import_location(root: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("-k", default="", help="run only mutants whose id contains this substring")
+    ap.add_argument("-k", default="", help="run only mutants whose id or file contains this substring")
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per mutant run (default 300)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch copy")
     ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run (when iterating)")
     ap.add_argument("-v", "--verbose", action="store_true", help="print the end of each mutant's test output")
     opts = ap.parse_args()
-    mutants: list[Mutant] = [m for m in MUTANTS if opts.k in m.id]
+    mutants: list[Mutant] = [m for m in MUTANTS if opts.k in m.id or opts.k in m.file]
     ids = [m.id for m in MUTANTS]
     dupes = {i for i in ids if ids.count(i) > 1}
     if dupes:
@@ -120,7 +120,7 @@ def main() -> int:
             print(f"{m.id:40s} {m.file:45s} {m.why}")
         return 0
     if not mutants:
-        raise SystemExit(f"no mutant id contains {opts.k!r}")
+        raise SystemExit(f"no mutant id or file contains {opts.k!r}")
 
     t0 = time.monotonic()
     root = scratch_copy()

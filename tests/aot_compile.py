@@ -192,10 +192,14 @@ class Compiled:
     seconds: float
 
     def fields(self, arch: str, v: Variant) -> dict:
-        """The results every tool reports: the variant, its tiles, store modes and native formats."""
-        return dict(arch=arch, **asdict(v), label=v.label, tiles={k: self.kwargs[k] for k in TILES},
-                    modes={k: self.kwargs[k] for k in ("CACHE_MODE", "OUT_MODE")}, native_fp8=self.native,
-                    seconds=self.seconds)  # fmt: skip
+        """The results every tool reports: the variant, its tiles, store formats (and their
+        rounding modes) and native formats."""
+        from vllm_mla_fusion.backends.triton import _store_params
+
+        stores = {k: self.kwargs[k] for k in ("CACHE_STORE", "OUT_STORE")}
+        return dict(arch=arch, **asdict(v), label=v.label, tiles={k: self.kwargs[k] for k in TILES}, stores=stores,
+                    modes={k.replace("STORE", "MODE"): _store_params(f)["MODE"] for k, f in stores.items()},
+                    native_fp8=self.native, seconds=self.seconds)  # fmt: skip
 
 
 def compile_variant(machine, target, v: Variant, asm: str, dump: Path | None = None) -> Compiled:

@@ -325,4 +325,5 @@ def test_plans_hand_constexprs_over_in_the_kernels_order():
     assert tb.bind(p, 3, False, True, *t.values()).plan(64).constexprs["IS_NEOX"] is False
     t8 = dict(t, out=torch.empty(64, 4, 24, dtype=torch.float8_e4m3fn))
     fp8_out = tb.bind(p, 3, True, True, *t8.values())
-    assert fp8_out.out_view == "bytes" and fp8_out.plan(64).constexprs["OUT_MODE"] != plan.constexprs["OUT_MODE"]
+    assert fp8_out.out_view == "bytes" and fp8_out.plan(64).constexprs["OUT_STORE"] == "float8_e4m3fn/bits"
+    assert plan.constexprs["OUT_STORE"] == "plain"

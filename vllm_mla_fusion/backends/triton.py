@@ -22,6 +22,15 @@ prefills stay bandwidth-bound. Everything is computed in float32 and rounded
 once on store. Token, block and slot indices are widened to int64 before they
 multiply a stride, so tensors past 2**31 elements are addressed correctly.
 
+The entry point takes 51 parameters: 11 pointers, 6 sizes, 18 strides and 16
+constexprs (sizes, op, rotation style, tiles, PDL, and one store format for each of
+the two stores, the cache and the output: ``_store_mode`` names it, e.g.
+``"float8_e4m3fnuz/bits/scaled"``, and the kernel derives the rounding mode, the
+scale and the fp8 format's constants from it through constexpr functions,
+``_store_params``). It took 63 while each store had seven constexprs of its own;
+the PTX (sm_90) and AMDGCN (gfx942, gfx950) of every variant compiled the same
+(docs/performance.md, "Kernels").
+
 fp8 outputs store ``saturate(x / scale)``. The GPU converts with its native
 instructions; Triton's interpreter (CPU) rounds fp8 wrongly, and NVIDIA GPUs
 have no e4m3fnuz type, so there the kernel encodes the bits itself
@@ -45,23 +54,55 @@ from triton.runtime import driver as _triton_driver
 from .. import fp8
 from ..validation import Problem
 
-# fp8 encodings for _fp8_bits: (exponent bias, mantissa bits, has negative zero).
+# fp8 encodings for _fp8_bits: (exponent bias, mantissa bits, has negative zero, NaN's bits).
 _FP8_FORMATS = {
-    torch.float8_e4m3fn: (7, 3, True),
-    torch.float8_e4m3fnuz: (8, 3, False),
-    torch.float8_e5m2: (15, 2, True),
+    torch.float8_e4m3fn: (7, 3, True, 0x7F),
+    torch.float8_e4m3fnuz: (8, 3, False, 0x80),
+    torch.float8_e5m2: (15, 2, True, 0x7F),
 }
-_NAN_BITS = {torch.float8_e4m3fn: 0x7F, torch.float8_e4m3fnuz: 0x80, torch.float8_e5m2: 0x7F}
 
-# Output modes (constexpr): how a tile is rounded on store. Plain cast; fp8 by the GPU's
-# saturating conversion (NVIDIA); fp8 by our own bit encoder; fp8 clamped, then converted (ROCm).
+# Output modes: how a tile is rounded on store. Plain cast; fp8 by the GPU's saturating
+# conversion (NVIDIA); fp8 by our own bit encoder; fp8 clamped, then converted (ROCm).
 _PLAIN, _FP8_SATURATING, _FP8_BITS, _FP8_CLAMPED = 0, 1, 2, 3
+_ROUNDINGS = {"saturating": _FP8_SATURATING, "bits": _FP8_BITS, "clamped": _FP8_CLAMPED}
+
+
+@triton.constexpr_function
+def _store_params(store: str) -> dict:
+    """The rounding constants of a store format (``_store_mode``): "plain" (cast as is) or
+    ``"<fp8 dtype>/<rounding>[/scaled]"``, rounding one of ``_ROUNDINGS``. MODE: how a tile is
+    rounded; HAS_SCALE: whether it is divided by the scale first; the fp8 format's largest
+    finite value FP8_MAX, exponent bias BIAS, mantissa bits MAN, whether it has a negative zero
+    (SIGNED_ZERO) and its NaN's bits (NAN), which the bit encoder needs."""
+    if store == "plain":
+        return dict(MODE=_PLAIN, HAS_SCALE=False, FP8_MAX=0.0, BIAS=0, MAN=0, SIGNED_ZERO=True, NAN=0)
+    name, rounding, *scaled = store.split("/")
+    dtype = getattr(torch, name)
+    bias, man, signed_zero, nan = _FP8_FORMATS[dtype]
+    return dict(MODE=_ROUNDINGS[rounding], HAS_SCALE=scaled == ["scaled"], FP8_MAX=float(torch.finfo(dtype).max),
+                BIAS=bias, MAN=man, SIGNED_ZERO=signed_zero, NAN=nan)  # fmt: skip
+
+
+@triton.constexpr_function
+def _store_param(store, name):
+    """One of ``_store_params(store)``, as a constexpr of the kernel."""
+    return _store_params(store)[name]
+
+
+@triton.constexpr_function
+def _unscaled(store):
+    """``store`` without its scale."""
+    return store.removesuffix("/scaled")
 
 
 @triton.jit
-def _fp8_bits(x, BIAS: tl.constexpr, MAN: tl.constexpr, SIGNED_ZERO: tl.constexpr, NAN_BITS: tl.constexpr):
-    """Bit pattern of ``x`` (float32, already clamped to the format's finite range) in an fp8
-    format with exponent bias ``BIAS`` and ``MAN`` mantissa bits, rounded to nearest even."""
+def _fp8_bits(x, STORE: tl.constexpr):
+    """Bit pattern of ``x`` (float32, already clamped to the format's finite range) in the fp8
+    format of ``STORE`` (exponent bias ``BIAS``, ``MAN`` mantissa bits), rounded to nearest even."""
+    BIAS: tl.constexpr = _store_param(STORE, "BIAS")
+    MAN: tl.constexpr = _store_param(STORE, "MAN")
+    SIGNED_ZERO: tl.constexpr = _store_param(STORE, "SIGNED_ZERO")
+    NAN_BITS: tl.constexpr = _store_param(STORE, "NAN")
     bits = x.to(tl.int32, bitcast=True)
     sign = (bits >> 31) & 1
     a = bits & 0x7FFFFFFF
@@ -91,9 +132,9 @@ def _fp8_bits(x, BIAS: tl.constexpr, MAN: tl.constexpr, SIGNED_ZERO: tl.constexp
 
 
 @triton.jit
-def _load_scale(scale_ptr, HAS_SCALE: tl.constexpr):
+def _load_scale(scale_ptr, STORE: tl.constexpr):
     """(scale, 1/scale) of an fp8 output, loaded once per program; (1, 1) without a scale."""
-    if HAS_SCALE:
+    if _store_param(STORE, "HAS_SCALE"):
         scale = tl.load(scale_ptr)
         inv = tl.fdiv(1.0, scale, ieee_rounding=True)  # correctly rounded on every target (libdevice-free)
     else:
@@ -103,10 +144,12 @@ def _load_scale(scale_ptr, HAS_SCALE: tl.constexpr):
 
 
 @triton.jit
-def _round_for_store(x, scale, inv_scale, out_ptr, MODE: tl.constexpr, HAS_SCALE: tl.constexpr,
-                     FP8_MAX: tl.constexpr, BIAS: tl.constexpr, MAN: tl.constexpr,
-                     SIGNED_ZERO: tl.constexpr, NAN_BITS: tl.constexpr):  # fmt: skip
-    """``x`` (float32) as the element type stored at ``out_ptr``."""
+def _round_for_store(x, scale, inv_scale, out_ptr, STORE: tl.constexpr):
+    """``x`` (float32) as the element type stored at ``out_ptr``, rounded as the store format
+    ``STORE`` says (``_store_params``)."""
+    MODE: tl.constexpr = _store_param(STORE, "MODE")
+    HAS_SCALE: tl.constexpr = _store_param(STORE, "HAS_SCALE")
+    FP8_MAX: tl.constexpr = _store_param(STORE, "FP8_MAX")
     if MODE == 0:
         y = x.to(out_ptr.dtype.element_ty)
     else:
@@ -127,7 +170,7 @@ def _round_for_store(x, scale, inv_scale, out_ptr, MODE: tl.constexpr, HAS_SCALE
             # Saturate finite values and infinities; NaN stays NaN (min/max would drop it).
             x = tl.where(x != x, x, tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX))
             if MODE == 2:
-                y = _fp8_bits(x, BIAS, MAN, SIGNED_ZERO, NAN_BITS)
+                y = _fp8_bits(x, STORE)
             else:
                 y = x.to(out_ptr.dtype.element_ty)
     return y
@@ -227,10 +270,8 @@ def _mla_rope_cache_kernel(
     IS_NEOX: tl.constexpr,
     OP: tl.constexpr,  # OP_ROPE_CACHE, OP_DECODE or OP_PREFILL
     NOPE_FIRST: tl.constexpr,  # op 2: q_out = [nope | rope] (else [rope | nope])
-    CACHE_MODE: tl.constexpr, CACHE_HAS_SCALE: tl.constexpr, CACHE_FP8_MAX: tl.constexpr,
-    CACHE_BIAS: tl.constexpr, CACHE_MAN: tl.constexpr, CACHE_SIGNED_ZERO: tl.constexpr, CACHE_NAN: tl.constexpr,
-    OUT_MODE: tl.constexpr, OUT_HAS_SCALE: tl.constexpr, OUT_FP8_MAX: tl.constexpr,
-    OUT_BIAS: tl.constexpr, OUT_MAN: tl.constexpr, OUT_SIGNED_ZERO: tl.constexpr, OUT_NAN: tl.constexpr,
+    CACHE_STORE: tl.constexpr,  # the cache's store format (_store_params): rounding, fp8 format, scale
+    OUT_STORE: tl.constexpr,  # the output's (op 1: q_pe's slots, "plain")
     BLOCK_T: tl.constexpr,  # tokens per cache program
     BLOCK_ROWS: tl.constexpr,  # (token, head) rows per query program
     BLOCK_L: tl.constexpr,  # latent columns per step (cache rows)
@@ -252,15 +293,13 @@ def _mla_rope_cache_kernel(
                        num_tokens, max_pos, block_size, num_slots, key_start, stride_cs_p, stride_cs_r,
                        stride_k_t, stride_k_r, stride_c_t, stride_c_l, stride_kv_b, stride_kv_s, stride_kv_d,
                        stride_o_t, stride_o_h, stride_o_d,
-                       H, L, R, NOPE, IS_NEOX, OP, CACHE_MODE, CACHE_HAS_SCALE, CACHE_FP8_MAX, CACHE_BIAS, CACHE_MAN,
-                       CACHE_SIGNED_ZERO, CACHE_NAN, OUT_MODE, OUT_FP8_MAX, OUT_BIAS, OUT_MAN, OUT_SIGNED_ZERO,
-                       OUT_NAN, BLOCK_T, BLOCK_L, BLOCK_H, BLOCK_R2)  # fmt: skip
+                       H, L, R, NOPE, IS_NEOX, OP, CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_L, BLOCK_H,
+                       BLOCK_R2)  # fmt: skip
     else:
         _query_program(pid - n_cache_programs, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_scale_ptr,
                        num_tokens, max_pos, key_start, stride_cs_p, stride_cs_r, stride_q_t, stride_q_h, stride_q_r,
                        stride_n_t, stride_n_h, stride_n_d, stride_o_t, stride_o_h, stride_o_d,
-                       H, R, NOPE, IS_NEOX, OP, NOPE_FIRST, OUT_MODE, OUT_HAS_SCALE, OUT_FP8_MAX, OUT_BIAS, OUT_MAN,
-                       OUT_SIGNED_ZERO, OUT_NAN, BLOCK_ROWS, BLOCK_N, BLOCK_R2)  # fmt: skip
+                       H, R, NOPE, IS_NEOX, OP, NOPE_FIRST, OUT_STORE, BLOCK_ROWS, BLOCK_N, BLOCK_R2)  # fmt: skip
 
 
 @triton.jit
@@ -269,11 +308,7 @@ def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cach
                    stride_k_t, stride_k_r, stride_c_t, stride_c_l, stride_kv_b, stride_kv_s, stride_kv_d,
                    stride_o_t, stride_o_h, stride_o_d,
                    H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, NOPE: tl.constexpr, IS_NEOX: tl.constexpr,
-                   OP: tl.constexpr, CACHE_MODE: tl.constexpr, CACHE_HAS_SCALE: tl.constexpr,
-                   CACHE_FP8_MAX: tl.constexpr, CACHE_BIAS: tl.constexpr, CACHE_MAN: tl.constexpr,
-                   CACHE_SIGNED_ZERO: tl.constexpr, CACHE_NAN: tl.constexpr, OUT_MODE: tl.constexpr,
-                   OUT_FP8_MAX: tl.constexpr, OUT_BIAS: tl.constexpr, OUT_MAN: tl.constexpr,
-                   OUT_SIGNED_ZERO: tl.constexpr, OUT_NAN: tl.constexpr, BLOCK_T: tl.constexpr,
+                   OP: tl.constexpr, CACHE_STORE: tl.constexpr, OUT_STORE: tl.constexpr, BLOCK_T: tl.constexpr,
                    BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R2: tl.constexpr):  # fmt: skip
     """BLOCK_T tokens: rotate k_pe (in place for ops 1 and 3), write [kv_c | rope(k_pe)] at each slot
     in [0, num_slots); op 3 also writes rope(k_pe) into the key row of every head (tokens from
@@ -295,7 +330,7 @@ def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cach
     col = tl.arange(0, BLOCK_L)
     c_mask = t_mask[:, None] & (col < L)[None, :]
     c = tl.load(kv_c_ptr + t[:, None] * stride_c_t + col[None, :] * stride_c_l, mask=c_mask, other=0.0)
-    scale, inv_scale = _load_scale(cache_scale_ptr, CACHE_HAS_SCALE)
+    scale, inv_scale = _load_scale(cache_scale_ptr, CACHE_STORE)
     pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)  # clamp: never read past the table
     k_off = t * stride_k_t
     sin_ptr = cos_sin_ptr + (R // 2) * stride_cs_r
@@ -307,10 +342,9 @@ def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cach
     if OP == OP_PREFILL:
         # The key's rope part is the same for every head: round it once, store it H times.
         # k_out has no scale (vLLM casts the key without one).
-        y1 = _round_for_store(k1, 1.0, 1.0, out_ptr, OUT_MODE, False, OUT_FP8_MAX,
-                              OUT_BIAS, OUT_MAN, OUT_SIGNED_ZERO, OUT_NAN)  # fmt: skip
-        y2 = _round_for_store(k2, 1.0, 1.0, out_ptr, OUT_MODE, False, OUT_FP8_MAX,
-                              OUT_BIAS, OUT_MAN, OUT_SIGNED_ZERO, OUT_NAN)  # fmt: skip
+        KEY_STORE: tl.constexpr = _unscaled(OUT_STORE)
+        y1 = _round_for_store(k1, 1.0, 1.0, out_ptr, KEY_STORE)
+        y2 = _round_for_store(k2, 1.0, 1.0, out_ptr, KEY_STORE)
         ROWS: tl.constexpr = BLOCK_T * BLOCK_H
         y1 = tl.reshape(tl.broadcast_to(y1[:, None, :], [BLOCK_T, BLOCK_H, BLOCK_R2]), [ROWS, BLOCK_R2])
         y2 = tl.reshape(tl.broadcast_to(y2[:, None, :], [BLOCK_T, BLOCK_H, BLOCK_R2]), [ROWS, BLOCK_R2])
@@ -324,20 +358,16 @@ def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cach
     write = t_mask & (slot >= 0) & (slot < num_slots)
     slot = tl.maximum(slot, 0)
     row = (slot // block_size) * stride_kv_b + (slot % block_size) * stride_kv_s
-    k1 = _round_for_store(k1, scale, inv_scale, cache_ptr, CACHE_MODE, CACHE_HAS_SCALE, CACHE_FP8_MAX,
-                          CACHE_BIAS, CACHE_MAN, CACHE_SIGNED_ZERO, CACHE_NAN)  # fmt: skip
-    k2 = _round_for_store(k2, scale, inv_scale, cache_ptr, CACHE_MODE, CACHE_HAS_SCALE, CACHE_FP8_MAX,
-                          CACHE_BIAS, CACHE_MAN, CACHE_SIGNED_ZERO, CACHE_NAN)  # fmt: skip
+    k1 = _round_for_store(k1, scale, inv_scale, cache_ptr, CACHE_STORE)
+    k2 = _round_for_store(k2, scale, inv_scale, cache_ptr, CACHE_STORE)
     _store_rotated(cache_ptr, row + L * stride_kv_d, k1, k2, write, IS_NEOX, R, BLOCK_R2, stride_kv_d, BLOCK_T)
-    c = _round_for_store(c.to(tl.float32), scale, inv_scale, cache_ptr, CACHE_MODE, CACHE_HAS_SCALE,
-                         CACHE_FP8_MAX, CACHE_BIAS, CACHE_MAN, CACHE_SIGNED_ZERO, CACHE_NAN)  # fmt: skip
+    c = _round_for_store(c.to(tl.float32), scale, inv_scale, cache_ptr, CACHE_STORE)
     tl.store(cache_ptr + row[:, None] + col[None, :] * stride_kv_d, c, mask=write[:, None] & (col < L)[None, :])
     for l0 in tl.static_range(BLOCK_L, L, BLOCK_L):  # latent widths past BLOCK_L (> 512)
         col = l0 + tl.arange(0, BLOCK_L)
         m = write[:, None] & (col < L)[None, :]
         c = tl.load(kv_c_ptr + t[:, None] * stride_c_t + col[None, :] * stride_c_l, mask=m, other=0.0)
-        c = _round_for_store(c.to(tl.float32), scale, inv_scale, cache_ptr, CACHE_MODE, CACHE_HAS_SCALE,
-                             CACHE_FP8_MAX, CACHE_BIAS, CACHE_MAN, CACHE_SIGNED_ZERO, CACHE_NAN)  # fmt: skip
+        c = _round_for_store(c.to(tl.float32), scale, inv_scale, cache_ptr, CACHE_STORE)
         tl.store(cache_ptr + row[:, None] + col[None, :] * stride_kv_d, c, mask=m)
 
 
@@ -346,9 +376,7 @@ def _query_program(pid, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_s
                    num_tokens, max_pos, key_start, stride_cs_p, stride_cs_r, stride_q_t, stride_q_h, stride_q_r,
                    stride_n_t, stride_n_h, stride_n_d, stride_o_t, stride_o_h, stride_o_d,
                    H: tl.constexpr, R: tl.constexpr, NOPE: tl.constexpr, IS_NEOX: tl.constexpr,
-                   OP: tl.constexpr, NOPE_FIRST: tl.constexpr, OUT_MODE: tl.constexpr,
-                   OUT_HAS_SCALE: tl.constexpr, OUT_FP8_MAX: tl.constexpr, OUT_BIAS: tl.constexpr,
-                   OUT_MAN: tl.constexpr, OUT_SIGNED_ZERO: tl.constexpr, OUT_NAN: tl.constexpr,
+                   OP: tl.constexpr, NOPE_FIRST: tl.constexpr, OUT_STORE: tl.constexpr,
                    BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R2: tl.constexpr):  # fmt: skip
     """BLOCK_ROWS (token, head) rows of q_pe, rotated: in place (ops 1 and 3) or into q_out (op 2);
     ops 2 and 3 also copy the row's nope input into the output row: op 2
@@ -367,7 +395,7 @@ def _query_program(pid, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_s
         col = tl.arange(0, BLOCK_N)
         n_mask = o_mask[:, None] & (col < NOPE)[None, :]
         nope = tl.load(nope_ptr + n_off[:, None] + col[None, :] * stride_n_d, mask=n_mask, other=0.0)
-        scale, inv_scale = _load_scale(out_scale_ptr, OUT_HAS_SCALE)
+        scale, inv_scale = _load_scale(out_scale_ptr, OUT_STORE)
         out = (t - key_start) * stride_o_t + h * stride_o_h
     pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
     q_off = t * stride_q_t + h * stride_q_h
@@ -379,23 +407,19 @@ def _query_program(pid, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_s
                        r_mask, IS_NEOX, R, BLOCK_R2, stride_q_r, BLOCK_ROWS)  # fmt: skip
     else:
         rope_col = NOPE if NOPE_FIRST else 0
-        q1 = _round_for_store(q1, scale, inv_scale, out_ptr, OUT_MODE, OUT_HAS_SCALE, OUT_FP8_MAX,
-                              OUT_BIAS, OUT_MAN, OUT_SIGNED_ZERO, OUT_NAN)  # fmt: skip
-        q2 = _round_for_store(q2, scale, inv_scale, out_ptr, OUT_MODE, OUT_HAS_SCALE, OUT_FP8_MAX,
-                              OUT_BIAS, OUT_MAN, OUT_SIGNED_ZERO, OUT_NAN)  # fmt: skip
+        q1 = _round_for_store(q1, scale, inv_scale, out_ptr, OUT_STORE)
+        q2 = _round_for_store(q2, scale, inv_scale, out_ptr, OUT_STORE)
         _store_rotated(out_ptr, out + rope_col * stride_o_d, q1, q2, o_mask, IS_NEOX, R, BLOCK_R2,
                        stride_o_d, BLOCK_ROWS)  # fmt: skip
     if OP != OP_ROPE_CACHE:
         nope_col = R if (OP == OP_DECODE and not NOPE_FIRST) else 0
-        nope = _round_for_store(nope.to(tl.float32), scale, inv_scale, out_ptr, OUT_MODE, OUT_HAS_SCALE,
-                                OUT_FP8_MAX, OUT_BIAS, OUT_MAN, OUT_SIGNED_ZERO, OUT_NAN)  # fmt: skip
+        nope = _round_for_store(nope.to(tl.float32), scale, inv_scale, out_ptr, OUT_STORE)
         tl.store(out_ptr + out[:, None] + (nope_col + col[None, :]) * stride_o_d, nope, mask=n_mask)
         for n0 in tl.static_range(BLOCK_N, NOPE, BLOCK_N):  # nope widths past BLOCK_N (> 512)
             col = n0 + tl.arange(0, BLOCK_N)
             m = o_mask[:, None] & (col < NOPE)[None, :]
             x = tl.load(nope_ptr + n_off[:, None] + col[None, :] * stride_n_d, mask=m, other=0.0)
-            x = _round_for_store(x.to(tl.float32), scale, inv_scale, out_ptr, OUT_MODE, OUT_HAS_SCALE,
-                                 OUT_FP8_MAX, OUT_BIAS, OUT_MAN, OUT_SIGNED_ZERO, OUT_NAN)  # fmt: skip
+            x = _round_for_store(x.to(tl.float32), scale, inv_scale, out_ptr, OUT_STORE)
             tl.store(out_ptr + out[:, None] + (nope_col + col[None, :]) * stride_o_d, x, mask=m)
 
 
@@ -435,18 +459,19 @@ def _native_fp8_ok(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype != torch.float8_e4m3fnuz and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _store_mode(dtype: torch.dtype | None, has_scale: bool, device: torch.device) -> tuple[str, dict]:
+def _store_mode(dtype: torch.dtype | None, has_scale: bool, device: torch.device) -> tuple[str, str]:
     """How the kernel stores an output of element format ``dtype``: the view it stores through
-    ("as is", "typed": the fp8 dtype itself, "bytes": uint8 bits it encodes) and the
-    constexprs describing the rounding. Anything not fp8 (None too) is stored as is."""
+    ("as is", "typed": the fp8 dtype itself, "bytes": uint8 bits it encodes) and the store
+    format, the kernel's one constexpr for that store (``_store_params`` reads it): "plain", or
+    the fp8 dtype, its rounding and whether it is scaled, e.g. "float8_e4m3fn/saturating/scaled".
+    Anything not fp8 (None too) is stored as is."""
     if not fp8.is_fp8(dtype):
-        return "as is", dict(MODE=_PLAIN, HAS_SCALE=False, FP8_MAX=0.0, BIAS=0, MAN=0, SIGNED_ZERO=True, NAN=0)
-    bias, man, signed_zero = _FP8_FORMATS[dtype]
-    meta = dict(HAS_SCALE=has_scale, FP8_MAX=float(torch.finfo(dtype).max), BIAS=bias, MAN=man,
-                SIGNED_ZERO=signed_zero, NAN=_NAN_BITS[dtype])  # fmt: skip
+        return "as is", "plain"
+    scaled = "/scaled" if has_scale else ""
+    name = str(dtype).removeprefix("torch.")
     if _native_fp8_ok(device, dtype):
-        return "typed", dict(MODE=_FP8_CLAMPED if torch.version.hip is not None else _FP8_SATURATING, **meta)
-    return "bytes", dict(MODE=_FP8_BITS, **meta)
+        return "typed", f"{name}/{'clamped' if torch.version.hip is not None else 'saturating'}{scaled}"
+    return "bytes", f"{name}/bits{scaled}"
 
 
 def _store_view(out: torch.Tensor, dtype: torch.dtype, view: str) -> torch.Tensor:
@@ -599,18 +624,13 @@ class BoundLaunch:
         device = q_pe.device
         self.p, self.op, self.device = p, op, device
         self.out_dtype = out.dtype if out is not None else None
-        self.cache_view, cmeta = _store_mode(p.cache_dtype, kv_cache_scale is not None, device)
+        self.cache_view, cache_store = _store_mode(p.cache_dtype, kv_cache_scale is not None, device)
         # Op 1 has no output of its own: its output slots take q_pe, stored plainly.
-        self.out_view, ometa = _store_mode(self.out_dtype, out_scale is not None, device)
+        self.out_view, out_store = _store_mode(self.out_dtype, out_scale is not None, device)
         self.base_constexprs = dict(
             H=p.num_heads, L=p.kv_lora_rank, R=p.rope_dim, NOPE=nope.shape[-1] if out is not None else 1,
-            IS_NEOX=is_neox, OP=op, NOPE_FIRST=is_nope_first,
-            CACHE_MODE=cmeta["MODE"], CACHE_HAS_SCALE=cmeta["HAS_SCALE"], CACHE_FP8_MAX=cmeta["FP8_MAX"],
-            CACHE_BIAS=cmeta["BIAS"], CACHE_MAN=cmeta["MAN"], CACHE_SIGNED_ZERO=cmeta["SIGNED_ZERO"],
-            CACHE_NAN=cmeta["NAN"],
-            OUT_MODE=ometa["MODE"], OUT_HAS_SCALE=ometa["HAS_SCALE"], OUT_FP8_MAX=ometa["FP8_MAX"],
-            OUT_BIAS=ometa["BIAS"], OUT_MAN=ometa["MAN"], OUT_SIGNED_ZERO=ometa["SIGNED_ZERO"],
-            OUT_NAN=ometa["NAN"], BLOCK_R2=_pow2(p.rope_dim // 2),
+            IS_NEOX=is_neox, OP=op, NOPE_FIRST=is_nope_first, CACHE_STORE=cache_store, OUT_STORE=out_store,
+            BLOCK_R2=_pow2(p.rope_dim // 2),
         )  # fmt: skip
         k_pe2, kv_c2 = _rows_2d(k_pe), _rows_2d(kv_c)
         n_strides = nope.stride() if out is not None else (0, 0, 0)
