@@ -10,7 +10,7 @@ call's arguments, then times each piece alone on those arguments, back to back
 - whole layer (``MultiHeadLatentAttentionWrapper.forward``) on and off, and the attention ops'
   dispatch and context lookup alone (their bodies stubbed);
 - the plugin: forward_fused (total, and without the forward_impl it calls), write_target,
-  ``_fuse_prefill_key`` / ``eligibility.prefill_key_step_reason``, the q_pe slice, ``_rows``,
+  ``_fuse_prefill_key`` / the per-step rule it binds (``eligibility.prefill_key_step_check``), the q_pe slice, ``_rows``,
   ``_PrefillStep(...)``, assemble_prefill_key, ``ops.eager``, the layer's ``binding.BoundOp``
   (whole, and with its site stubbed: the layout tuple and rows check), the validation a layout's
   first call runs, the torch backend, and the Triton backend's bound launch with the launch
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     from vllm_mla_fusion.backends import reference
     from vllm_mla_fusion.backends import triton as tb
     from vllm_mla_fusion.vllm_plugin import attention as plugin_attention
-    from vllm_mla_fusion.vllm_plugin import custom_ops, eligibility, register
+    from vllm_mla_fusion.vllm_plugin import custom_ops, register
     from vllm_mla_fusion.vllm_plugin.compat import WRAPPER_KEY
 
     tmp = tempfile.mkdtemp(prefix="plugin_host_calls_")
@@ -218,14 +218,17 @@ def main(argv=None) -> int:
         timed("plugin: write_target", lambda: custom_ops.write_target(
             kv_cache, slot_mapping, mla_on.kv_cache_dtype, T, mla_on.kv_lora_rank + rope_dim, kv_c_normed))  # fmt: skip
         timed("plugin: _fuse_prefill_key (per-step eligibility)", lambda: mla_on._fuse_prefill_key(attn_md))
-        timed("plugin: eligibility.prefill_key_step_reason", lambda: eligibility.prefill_key_step_reason(
-            impl_on, attn_md))  # fmt: skip
+        timed("plugin: the layer's bound per-step rule (eligibility.prefill_key_step_check)",
+              lambda: mla_on._prefill_key_step_reason(attn_md))  # fmt: skip
         timed("plugin: q[..., -R:] slice", lambda: q[..., -rope_dim:])
         q_pe = q[..., -rope_dim:]
-        timed("plugin: _rows (prefill-only: no slices)", lambda: plugin_attention._rows(
-            0, T, T, positions, q_pe, kv_c_normed, slot_mapping))  # fmt: skip
-        timed("plugin: _rows (rows sliced, as in a mixed step)", lambda: plugin_attention._rows(
-            0, T, T + 1, positions, q_pe, kv_c_normed, slot_mapping))  # fmt: skip
+        rows_args = (positions, q, k_pe_on, kv_c_normed, slot_mapping)
+        timed("plugin: _rows (prefill-only: q_pe alone sliced)", lambda: plugin_attention._rows(
+            0, T, T, rope_dim, *rows_args))  # fmt: skip
+        timed("plugin: _rows (a padded step: rows from 0)", lambda: plugin_attention._rows(
+            0, T, T + 1, rope_dim, *rows_args))  # fmt: skip
+        timed("plugin: _rows (rows from the decode count, as in a mixed step)", lambda: plugin_attention._rows(
+            1, T, T, rope_dim, *rows_args))  # fmt: skip
 
         def prefill_step():
             return plugin_attention._PrefillStep(positions, q_pe, k_pe_on, kv_c_normed, slot_mapping, kv_cache,

@@ -274,3 +274,63 @@ def test_decode_pair_backends_are_recognised_by_name_and_subclass():
 
     for module, _ in eligibility._DECODE_PAIR_BACKENDS:
         assert importlib.util.find_spec(module) is not None, module
+
+
+def test_prefill_key_step_rule_reads_the_step_and_the_layers_aiter_switches():
+    """The per-step rule a fused layer binds: no prefill metadata or an fp8 prefill query keeps vLLM's
+    key; on ROCM_AITER_MLA, its fused FP8 prefill (switched on in the impl, the step's FP8 indptr set,
+    no chunked context) does too; any other step gets op 3. Each condition alone flips the answer."""
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.mla.rocm_aiter_mla import AiterMLAImpl
+
+    from vllm_mla_fusion.vllm_plugin import eligibility
+
+    def step(q_dtype=torch.bfloat16, chunked=None, indptr=None, prefill=True):
+        pre = SimpleNamespace(q_data_type=q_dtype, chunked_context=chunked) if prefill else None
+        return SimpleNamespace(prefill=pre, fp8_prefill_qo_indptr=indptr)
+
+    def aiter(enabled, fused):
+        impl = object.__new__(AiterMLAImpl)  # the switches AiterMLAImpl.__init__ sets, without a ROCm device
+        impl._fp8_prefill_enabled, impl._fused_prefill_qkv = enabled, fused
+        return impl
+
+    indptr = torch.arange(3)
+    common = eligibility.prefill_key_step_check(object())
+    assert common(step()) is None
+    assert common(step(indptr=indptr)) is None  # the AITER branch is AITER's alone
+    assert "no prefill metadata" in common(step(prefill=False))
+    assert "no prefill metadata" in common(SimpleNamespace())
+    assert "reads q" in common(step(q_dtype=current_platform.fp8_dtype()))
+
+    rule = eligibility.prefill_key_step_check(aiter(True, True))
+    assert "fused_mla_prefill_qkv_fp8" in rule(step(indptr=indptr))
+    assert rule(step()) is None  # the step does not take the FP8 path
+    assert rule(step(indptr=indptr, chunked=object())) is None  # chunked context: the common path
+    assert "reads q" in rule(step(q_dtype=current_platform.fp8_dtype()))
+    for enabled, fused in ((True, False), (False, True)):
+        assert eligibility.prefill_key_step_check(aiter(enabled, fused))(step(indptr=indptr)) is None
+
+
+def test_fused_layer_asks_its_bound_step_rule_and_logs_each_reason_once(vllm_cpu, plugin_on, caplog):
+    """A fused layer's per-step choice of the prefill key comes from the rule bound when it was built:
+    an fp8 prefill query keeps vLLM's key (logged once per layer and reason, not per step), a bf16 one
+    gets op 3, and a layer built with the key unfused never asks."""
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+
+    attn = H.mla_layer(vllm_cpu.build_attention())[1]
+    assert attn._prefill_key_fused
+
+    def step(q_dtype):
+        return SimpleNamespace(prefill=SimpleNamespace(q_data_type=q_dtype, chunked_context=None))
+
+    with caplog.at_level(logging.DEBUG, logger=PLUGIN_LOGGER):
+        assert [attn._fuse_prefill_key(step(current_platform.fp8_dtype())) for _ in range(3)] == [False] * 3
+        assert attn._fuse_prefill_key(step(torch.bfloat16))
+    logged = [r.getMessage() for r in caplog.records if "keeps vLLM's prefill key" in r.getMessage()]
+    assert len(logged) == 1 and "reads q" in logged[0] and attn.layer_name in logged[0], logged
+    attn._prefill_key_fused = False  # as promote leaves a layer whose backend builds the key its own way
+    assert not attn._fuse_prefill_key(step(torch.bfloat16))

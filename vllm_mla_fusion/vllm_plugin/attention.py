@@ -46,6 +46,7 @@ subclass, which only adds methods and a few attributes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -75,10 +76,10 @@ class _DeferredDecodeQuery(torch.nn.Module):
 class _DecodeStep:
     """What the decode query assembly of one step needs beyond (ql_nope, q_pe)."""
 
-    positions: torch.Tensor  # [num_decode_tokens]
+    positions: torch.Tensor  # [>= num_decode_tokens]: the step's, decode tokens first
     k_pe: torch.Tensor  # [num_decode_tokens, 1, R], un-rotated
     kv_c: torch.Tensor  # [num_decode_tokens, L]
-    slot_mapping: torch.Tensor  # [num_decode_tokens]
+    slot_mapping: torch.Tensor  # [>= num_decode_tokens]
     kv_cache: torch.Tensor
     kv_cache_dtype: str
     cos_sin_cache: torch.Tensor
@@ -93,11 +94,11 @@ class _PrefillStep:
     Its rows are the step's prefill tokens, preceded by ``key_start`` decode tokens when
     the same launch takes those too (their rows get op 1's work and no key row)."""
 
-    positions: torch.Tensor  # [key_start + num_prefill_tokens]
+    positions: torch.Tensor  # [>= key_start + num_prefill_tokens]: its rows' entries first
     q_pe: torch.Tensor  # [key_start + num_prefill_tokens, H, R] view of q, un-rotated
     k_pe: torch.Tensor  # [key_start + num_prefill_tokens, 1, R], un-rotated
     kv_c: torch.Tensor  # [key_start + num_prefill_tokens, L]
-    slot_mapping: torch.Tensor  # [key_start + num_prefill_tokens]
+    slot_mapping: torch.Tensor  # [>= key_start + num_prefill_tokens]
     kv_cache: torch.Tensor
     kv_cache_dtype: str
     cos_sin_cache: torch.Tensor
@@ -121,13 +122,20 @@ class _Steps:
         self.in_graph = False
 
 
-def _rows(first: int, last: int, num_tokens: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``t[first:last]`` of each tensor, or the tensors themselves when that is all ``num_tokens``
-    rows (a prefill-only step without padding): the ops read only their first ``T`` entries, and
-    each slice costs a few us of host time per layer in steps that run outside CUDA graphs."""
+def _rows(first: int, last: int, num_tokens: int, rope_dim: int, positions: torch.Tensor, q: torch.Tensor,
+          k_pe: torch.Tensor, kv_c: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """Rows ``[first, last)`` of a step as an op takes them: ``(positions, q_pe, k_pe, kv_c, slots)``.
+
+    The ops take as many tokens as ``q_pe`` has rows and read only that many leading entries of
+    ``positions`` and ``slots``, so those two are sliced from ``first`` alone (not at all from
+    row 0), and a prefill-only step without padding slices nothing but ``q_pe`` out of ``q``:
+    each slice costs 1-2 us of host time per layer in steps that run outside CUDA graphs.
+    """
     if first == 0 and last == num_tokens:
-        return tensors
-    return tuple(t[first:last] for t in tensors)
+        return positions, q[..., -rope_dim:], k_pe, kv_c, slots
+    if first:
+        positions, slots = positions[first:], slots[first:]
+    return positions, q[first:last, :, -rope_dim:], k_pe[first:last], kv_c[first:last], slots
 
 
 class FusedMLAAttention(MLAAttention):
@@ -136,6 +144,7 @@ class FusedMLAAttention(MLAAttention):
     _steps: _Steps  # what the step in progress prepared for forward_impl's hooks
     _decode_query_dtype: torch.dtype | None  # fp8 when the backend takes an fp8 query
     _prefill_key_fused: bool  # the backend's forward_mha builds the key through _concat_k_nope_k_pe
+    _prefill_key_step_reason: Callable[[object], str | None] | None  # its per-step rule, bound where it is fused
     _prefill_key_reasons: set[str]  # per-step fallback reasons already logged
     _prewarm_block_size: int | None  # the cache's block size, when kernels are compiled in the profile run
     _decode_assembles_query: bool  # op 2 builds [ql_nope | rope(q_pe)]; else op 1 rotates the decode rows
@@ -185,6 +194,7 @@ class FusedMLAAttention(MLAAttention):
         attn._steps = _Steps()
         attn._decode_query_dtype = current_platform.fp8_dtype() if fp8_query else None
         attn._prefill_key_fused = prefill_reason is None
+        attn._prefill_key_step_reason = eligibility.prefill_key_step_check(attn.impl) if prefill_reason is None else None
         attn._prefill_key_reasons = set()
         attn._prewarm_block_size = block_size if backend != "torch" and env_enabled(ENV_PREWARM) else None
         attn._decode_assembles_query = assemble_reason is None
@@ -217,7 +227,7 @@ class FusedMLAAttention(MLAAttention):
         """Whether this step's prefill rows reach the key through the fused prefill op."""
         if not self._prefill_key_fused:
             return False
-        reason = eligibility.prefill_key_step_reason(self.impl, attn_metadata)
+        reason = self._prefill_key_step_reason(attn_metadata)
         if reason is not None and reason not in self._prefill_key_reasons:
             self._prefill_key_reasons.add(reason)  # once per layer and reason, never per step
             logger.debug("vllm-mla-fusion: %s keeps vLLM's prefill key for such steps: %s", self.layer_name, reason)
@@ -276,7 +286,7 @@ class FusedMLAAttention(MLAAttention):
         last = num_decode
         if end > num_decode:
             if attn_metadata is not None and self._fuse_prefill_key(attn_metadata):
-                pos, q_pe, k_pe_rows, kv_c, slot = _rows(first, end, num_tokens, positions, q[..., -rope_dim:], k_pe,
+                pos, q_pe, k_pe_rows, kv_c, slot = _rows(first, end, num_tokens, rope_dim, positions, q, k_pe,
                                                          kv_c_normed, slots)  # fmt: skip
                 prefill = _PrefillStep(pos, q_pe, k_pe_rows, kv_c, slot, cache, cache_dtype, cos_sin_cache, is_neox,
                                        num_decode - first)  # fmt: skip
@@ -284,16 +294,15 @@ class FusedMLAAttention(MLAAttention):
             else:
                 last = end
         if last > first:
-            pos, q_pe, k_pe_rows, kv_c, slot = _rows(first, last, num_tokens, positions, q[..., -rope_dim:], k_pe,
+            pos, q_pe, k_pe_rows, kv_c, slot = _rows(first, last, num_tokens, rope_dim, positions, q, k_pe,
                                                      kv_c_normed, slots)  # fmt: skip
             op1 = self._bound_ops.get(OP_ROPE_CACHE, cache_dtype, is_neox)
             op1(pos, q_pe, k_pe_rows, kv_c, cos_sin_cache, slot, cache, self._k_scale)
         step = None
         if num_decode > 0 and self._decode_assembles_query:
-            step = _DecodeStep(
-                positions[:num_decode], k_pe[:num_decode], kv_c_normed[:num_decode], slots[:num_decode], cache,
-                cache_dtype, cos_sin_cache, is_neox,
-            )  # fmt: skip
+            # positions and slots whole: op 2 reads their first num_decode entries (_rows says why)
+            step = _DecodeStep(positions, k_pe[:num_decode], kv_c_normed[:num_decode], slots, cache, cache_dtype,
+                               cos_sin_cache, is_neox)  # fmt: skip
         steps.decode, steps.prefill = step, prefill
         try:
             self.forward_impl(q, kv_c_normed, k_pe, kv_cache, attn_metadata, output=output)

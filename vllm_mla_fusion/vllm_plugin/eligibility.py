@@ -173,7 +173,7 @@ def decode_pair_reason(impl: MLAAttentionImpl, fp8_query: bool) -> str | None:
 
 @functools.cache
 def _aiter_mla_impl() -> type | None:
-    # Cached: asked per layer and step, and a failing import would be retried each time.
+    # Cached: asked per layer, and a failing import would be retried each time.
     try:
         from vllm.v1.attention.backends.mla.rocm_aiter_mla import AiterMLAImpl
     except ImportError:
@@ -188,7 +188,7 @@ def prefill_key_reason(impl: MLAAttentionImpl) -> str | None:
     ``forward_mha``, which must come before anything reads ``q``. That holds for
     the forward_mha this was written against: MLACommonBaseImpl's (every dense
     backend but these two) and ROCM_AITER_MLA's, whose FP8-prefill branch is
-    checked per step (prefill_key_step_reason). AMX_MLA and any other backend
+    checked per step (prefill_key_step_check). AMX_MLA and any other backend
     with a forward_mha of its own build the key their own way.
     """
     if not env_enabled(ENV_PREFILL_KEY):
@@ -202,34 +202,39 @@ def prefill_key_reason(impl: MLAAttentionImpl) -> str | None:
     return None
 
 
-@functools.cache
-def _fp8_dtype() -> torch.dtype:
-    return current_platform.fp8_dtype()
+def prefill_key_step_check(impl: MLAAttentionImpl) -> Callable[[object], str | None]:
+    """The per-step rule for a layer whose prefill key is fused (``prefill_key_reason`` None).
 
-
-def prefill_key_step_reason(impl: MLAAttentionImpl, attn_metadata) -> str | None:
-    """Why this step's prefill rows keep op 1 + vLLM's concat, or None (the fused prefill op).
-
-    Decided per step from the step's metadata, as forward_mha decides its path.
+    Returns ``reason(attn_metadata)``: why this step's prefill rows keep op 1 + vLLM's concat,
+    or None (the fused prefill op), decided from the step's metadata as forward_mha decides its
+    path. What depends only on the layer (the impl's class and its FP8 prefill switches, fixed
+    when vLLM builds it) is decided here, once: a step only reads its own metadata.
     """
-    prefill = getattr(attn_metadata, "prefill", None)
-    if prefill is None:
-        return "the step has no prefill metadata"
-    if prefill.q_data_type == _fp8_dtype():
-        # forward_mha casts q to fp8 before it builds the key: q must already be rotated.
-        return "fp8 prefill attention reads q before the key is built"
+    fp8_dtype = current_platform.fp8_dtype()
     aiter = _aiter_mla_impl()
-    if aiter is not None and isinstance(impl, aiter):
-        # AiterMLAImpl.forward_mha: with its FP8 prefill path on and no chunked context,
-        # fused_mla_prefill_qkv_fp8 reads q and builds the key itself.
-        fp8_path = (
-            getattr(impl, "_fp8_prefill_enabled", False)
+    # AiterMLAImpl.forward_mha: with its FP8 prefill path on and no chunked context,
+    # fused_mla_prefill_qkv_fp8 reads q and builds the key itself.
+    aiter_fused_fp8 = (
+        aiter is not None and isinstance(impl, aiter)
+        and getattr(impl, "_fp8_prefill_enabled", False) and getattr(impl, "_fused_prefill_qkv", False)
+    )  # fmt: skip
+
+    def reason(attn_metadata) -> str | None:
+        prefill = getattr(attn_metadata, "prefill", None)
+        if prefill is None:
+            return "the step has no prefill metadata"
+        if prefill.q_data_type == fp8_dtype:
+            # forward_mha casts q to fp8 before it builds the key: q must already be rotated.
+            return "fp8 prefill attention reads q before the key is built"
+        if (
+            aiter_fused_fp8
             and getattr(attn_metadata, "fp8_prefill_qo_indptr", None) is not None
             and prefill.chunked_context is None
-        )
-        if fp8_path and getattr(impl, "_fused_prefill_qkv", False):
+        ):
             return "ROCM_AITER_MLA's fused FP8 prefill (fused_mla_prefill_qkv_fp8) builds q and the key"
-    return None
+        return None
+
+    return reason
 
 
 def load_backend(device: torch.device, decode: bool) -> str:
