@@ -8,7 +8,8 @@ checkout itself is never modified, even when interrupted. The copy is imported f
 
 1. Baseline: the union of all selected tests must pass on the unmutated copy.
 2. Each mutant: its ``original`` must occur exactly once in its file (otherwise the entry is
-   reported as an ERROR: the code moved and the entry must be updated, never skipped); the
+   reported as an ERROR: the code moved and the entry must be updated, never skipped), and a
+   mutated Python file must still compile (an ERROR otherwise: every test would "kill" it); the
    file is rewritten, the mutant's tests run (``-x``, CPU, Triton's interpreter) under a
    per-mutant timeout, and the file restored. A failing run (test failure, error, crash,
    timeout) kills the mutant; a passing run means it SURVIVED: a bug the suite misses.
@@ -146,7 +147,17 @@ def main() -> int:
                 print(f"ERROR    {m.id}: the original snippet occurs {count} times in {m.file} (expected once)",
                       flush=True)  # fmt: skip
                 continue
-            path.write_text(text.replace(m.original, m.replacement))
+            mutated = text.replace(m.original, m.replacement)
+            if path.suffix == ".py":
+                # A mutant that does not compile is "killed" by every test, whatever it checks.
+                try:
+                    compile(mutated, m.file, "exec")
+                except SyntaxError as e:
+                    errors.append(m)
+                    print(f"ERROR    {m.id}: the mutated {m.file} does not compile ({e.msg}, line {e.lineno}): "
+                          "a mutant plants a bug, not a syntax error", flush=True)  # fmt: skip
+                    continue
+            path.write_text(mutated)
             try:
                 rc, secs, out = run_pytest(root, shlex.split(m.tests), opts.timeout)
             finally:
