@@ -10,7 +10,7 @@ call's arguments, then times each piece alone on those arguments, back to back
 - whole layer (``MultiHeadLatentAttentionWrapper.forward``) on and off, and the attention ops'
   dispatch and context lookup alone (their bodies stubbed);
 - the plugin: forward_fused (total, and without the forward_impl it calls), write_target,
-  ``_fuse_prefill_key`` / the per-step rule it binds (``eligibility.prefill_key_step_check``), the q_pe slice, ``_rows``,
+  ``_fuse_prefill_key`` / the per-step rule it binds (``eligibility.prefill_key_step_rule``), the q_pe slice, ``_rows``,
   ``_PrefillStep(...)``, assemble_prefill_key, ``ops.eager``, the layer's ``binding.BoundOp``
   (whole, and with its site stubbed: the layout tuple and rows check), the validation a layout's
   first call runs, the torch backend, and the Triton backend's bound launch with the launch
@@ -218,8 +218,8 @@ def main(argv=None) -> int:
         timed("plugin: write_target", lambda: custom_ops.write_target(
             kv_cache, slot_mapping, mla_on.kv_cache_dtype, T, mla_on.kv_lora_rank + rope_dim, kv_c_normed))  # fmt: skip
         timed("plugin: _fuse_prefill_key (per-step eligibility)", lambda: mla_on._fuse_prefill_key(attn_md))
-        timed("plugin: the layer's bound per-step rule (eligibility.prefill_key_step_check)",
-              lambda: mla_on._prefill_key_step_reason(attn_md))  # fmt: skip
+        timed("plugin: the layer's bound per-step rule (eligibility.prefill_key_step_rule)",
+              lambda: mla_on._prefill_key_step_rule(attn_md))  # fmt: skip
         timed("plugin: q[..., -R:] slice", lambda: q[..., -rope_dim:])
         q_pe = q[..., -rope_dim:]
         rows_args = (positions, q, k_pe_on, kv_c_normed, slot_mapping)

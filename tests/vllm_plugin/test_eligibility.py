@@ -297,40 +297,65 @@ def test_prefill_key_step_rule_reads_the_step_and_the_layers_aiter_switches():
         return impl
 
     indptr = torch.arange(3)
-    common = eligibility.prefill_key_step_check(object())
+    common = eligibility.prefill_key_step_rule(object())
     assert common(step()) is None
     assert common(step(indptr=indptr)) is None  # the AITER branch is AITER's alone
     assert "no prefill metadata" in common(step(prefill=False))
     assert "no prefill metadata" in common(SimpleNamespace())
     assert "reads q" in common(step(q_dtype=current_platform.fp8_dtype()))
 
-    rule = eligibility.prefill_key_step_check(aiter(True, True))
+    rule = eligibility.prefill_key_step_rule(aiter(True, True))
     assert "fused_mla_prefill_qkv_fp8" in rule(step(indptr=indptr))
     assert rule(step()) is None  # the step does not take the FP8 path
     assert rule(step(indptr=indptr, chunked=object())) is None  # chunked context: the common path
     assert "reads q" in rule(step(q_dtype=current_platform.fp8_dtype()))
     for enabled, fused in ((True, False), (False, True)):
-        assert eligibility.prefill_key_step_check(aiter(enabled, fused))(step(indptr=indptr)) is None
+        assert eligibility.prefill_key_step_rule(aiter(enabled, fused))(step(indptr=indptr)) is None
+
+
+def _prefill_step(q_dtype, indptr=None):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(prefill=SimpleNamespace(q_data_type=q_dtype, chunked_context=None),
+                           fp8_prefill_qo_indptr=indptr)  # fmt: skip
 
 
 def test_fused_layer_asks_its_bound_step_rule_and_logs_each_reason_once(vllm_cpu, plugin_on, caplog):
     """A fused layer's per-step choice of the prefill key comes from the rule bound when it was built:
     an fp8 prefill query keeps vLLM's key (logged once per layer and reason, not per step), a bf16 one
-    gets op 3, and a layer built with the key unfused never asks."""
-    from types import SimpleNamespace
-
+    gets op 3."""
     from vllm.platforms import current_platform
 
     attn = H.mla_layer(vllm_cpu.build_attention())[1]
-    assert attn._prefill_key_fused
-
-    def step(q_dtype):
-        return SimpleNamespace(prefill=SimpleNamespace(q_data_type=q_dtype, chunked_context=None))
-
+    assert attn._prefill_key_fused and attn._prefill_key_step_rule is not None
     with caplog.at_level(logging.DEBUG, logger=PLUGIN_LOGGER):
-        assert [attn._fuse_prefill_key(step(current_platform.fp8_dtype())) for _ in range(3)] == [False] * 3
-        assert attn._fuse_prefill_key(step(torch.bfloat16))
+        assert [attn._fuse_prefill_key(_prefill_step(current_platform.fp8_dtype())) for _ in range(3)] == [False] * 3
+        assert attn._fuse_prefill_key(_prefill_step(torch.bfloat16))
     logged = [r.getMessage() for r in caplog.records if "keeps vLLM's prefill key" in r.getMessage()]
     assert len(logged) == 1 and "reads q" in logged[0] and attn.layer_name in logged[0], logged
-    attn._prefill_key_fused = False  # as promote leaves a layer whose backend builds the key its own way
-    assert not attn._fuse_prefill_key(step(torch.bfloat16))
+
+
+def test_a_layer_built_with_the_key_unfused_binds_no_rule_and_never_fuses(vllm_cpu, plugin_on, monkeypatch):
+    monkeypatch.setenv("VLLM_MLA_FUSION_PREFILL_KEY", "0")
+    attn = H.mla_layer(vllm_cpu.build_attention())[1]
+    assert not attn._prefill_key_fused and attn._prefill_key_step_rule is None
+    assert not attn._fuse_prefill_key(_prefill_step(torch.bfloat16))
+
+
+def test_promote_binds_the_rule_of_the_layers_own_impl(vllm_cpu, plugin_on, monkeypatch):
+    """The AITER branch is decided from the impl promote was given: with the layer's impl class
+    standing in for AiterMLAImpl and its FP8-prefill switches on, the layer's bound rule keeps
+    vLLM's key for a step on AITER's fused FP8 path; a layer built before the switches were on
+    does not."""
+    from vllm_mla_fusion.vllm_plugin import eligibility
+
+    before = H.mla_layer(vllm_cpu.build_attention())[1]
+    impl_cls = type(before.impl)
+    monkeypatch.setattr(eligibility, "_aiter_mla_impl", lambda: impl_cls)
+    monkeypatch.setattr(impl_cls, "_fp8_prefill_enabled", True, raising=False)
+    monkeypatch.setattr(impl_cls, "_fused_prefill_qkv", True, raising=False)
+    after = H.mla_layer(vllm_cpu.build_attention())[1]
+    on_aiter_path = _prefill_step(torch.bfloat16, indptr=torch.arange(3))
+    assert "fused_mla_prefill_qkv_fp8" in after._prefill_key_step_rule(on_aiter_path)
+    assert not after._fuse_prefill_key(on_aiter_path)
+    assert before._fuse_prefill_key(on_aiter_path)

@@ -144,7 +144,7 @@ class FusedMLAAttention(MLAAttention):
     _steps: _Steps  # what the step in progress prepared for forward_impl's hooks
     _decode_query_dtype: torch.dtype | None  # fp8 when the backend takes an fp8 query
     _prefill_key_fused: bool  # the backend's forward_mha builds the key through _concat_k_nope_k_pe
-    _prefill_key_step_reason: Callable[[object], str | None] | None  # its per-step rule, bound where it is fused
+    _prefill_key_step_rule: Callable[[object], str | None] | None  # its per-step rule, bound where it is fused
     _prefill_key_reasons: set[str]  # per-step fallback reasons already logged
     _prewarm_block_size: int | None  # the cache's block size, when kernels are compiled in the profile run
     _decode_assembles_query: bool  # op 2 builds [ql_nope | rope(q_pe)]; else op 1 rotates the decode rows
@@ -194,7 +194,7 @@ class FusedMLAAttention(MLAAttention):
         attn._steps = _Steps()
         attn._decode_query_dtype = current_platform.fp8_dtype() if fp8_query else None
         attn._prefill_key_fused = prefill_reason is None
-        attn._prefill_key_step_reason = eligibility.prefill_key_step_check(attn.impl) if prefill_reason is None else None
+        attn._prefill_key_step_rule = eligibility.prefill_key_step_rule(attn.impl) if attn._prefill_key_fused else None
         attn._prefill_key_reasons = set()
         attn._prewarm_block_size = block_size if backend != "torch" and env_enabled(ENV_PREWARM) else None
         attn._decode_assembles_query = assemble_reason is None
@@ -227,7 +227,7 @@ class FusedMLAAttention(MLAAttention):
         """Whether this step's prefill rows reach the key through the fused prefill op."""
         if not self._prefill_key_fused:
             return False
-        reason = self._prefill_key_step_reason(attn_metadata)
+        reason = self._prefill_key_step_rule(attn_metadata)
         if reason is not None and reason not in self._prefill_key_reasons:
             self._prefill_key_reasons.add(reason)  # once per layer and reason, never per step
             logger.debug("vllm-mla-fusion: %s keeps vLLM's prefill key for such steps: %s", self.layer_name, reason)

@@ -1,4 +1,5 @@
-"""Which MLA layers take the fused path: every rule, checked once per layer at construction.
+"""Which MLA layers take the fused path: every rule, checked once per layer at construction
+(the prefill key's per-step rule is bound then too, and asked per step).
 
 Each check returns None when the rule holds, else a short reason that the
 layer logs (debug level) before behaving exactly like vLLM's own wrapper. The
@@ -188,7 +189,7 @@ def prefill_key_reason(impl: MLAAttentionImpl) -> str | None:
     ``forward_mha``, which must come before anything reads ``q``. That holds for
     the forward_mha this was written against: MLACommonBaseImpl's (every dense
     backend but these two) and ROCM_AITER_MLA's, whose FP8-prefill branch is
-    checked per step (prefill_key_step_check). AMX_MLA and any other backend
+    checked per step (prefill_key_step_rule). AMX_MLA and any other backend
     with a forward_mha of its own build the key their own way.
     """
     if not env_enabled(ENV_PREFILL_KEY):
@@ -202,10 +203,10 @@ def prefill_key_reason(impl: MLAAttentionImpl) -> str | None:
     return None
 
 
-def prefill_key_step_check(impl: MLAAttentionImpl) -> Callable[[object], str | None]:
+def prefill_key_step_rule(impl: MLAAttentionImpl) -> Callable[[object], str | None]:
     """The per-step rule for a layer whose prefill key is fused (``prefill_key_reason`` None).
 
-    Returns ``reason(attn_metadata)``: why this step's prefill rows keep op 1 + vLLM's concat,
+    Returns ``rule(attn_metadata)``: why this step's prefill rows keep op 1 + vLLM's concat,
     or None (the fused prefill op), decided from the step's metadata as forward_mha decides its
     path. What depends only on the layer (the impl's class and its FP8 prefill switches, fixed
     when vLLM builds it) is decided here, once: a step only reads its own metadata.
@@ -219,7 +220,7 @@ def prefill_key_step_check(impl: MLAAttentionImpl) -> Callable[[object], str | N
         and getattr(impl, "_fp8_prefill_enabled", False) and getattr(impl, "_fused_prefill_qkv", False)
     )  # fmt: skip
 
-    def reason(attn_metadata) -> str | None:
+    def rule(attn_metadata) -> str | None:
         prefill = getattr(attn_metadata, "prefill", None)
         if prefill is None:
             return "the step has no prefill metadata"
@@ -234,7 +235,7 @@ def prefill_key_step_check(impl: MLAAttentionImpl) -> Callable[[object], str | N
             return "ROCM_AITER_MLA's fused FP8 prefill (fused_mla_prefill_qkv_fp8) builds q and the key"
         return None
 
-    return reason
+    return rule
 
 
 def load_backend(device: torch.device, decode: bool) -> str:
