@@ -8,13 +8,16 @@ the GPU machine), started while the server starts. It waits for the driver's go-
 
 Per load it appends one line to the spec's ``progress`` file (JSON lines, so that a
 kill leaves what was done): the load, the seconds it took, the server's prefix-cache
-counters before and after (from /metrics), and any error. A load whose estimate no longer
+counters before and after (from /metrics), the size of the server's log before and after
+(the driver reads which kernels compiled during the load from the bytes between), and any
+error. A load whose estimate no longer
 fits the deadline is recorded as skipped and not started.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -24,6 +27,13 @@ from pathlib import Path
 def _record(progress: Path, entry: dict) -> None:
     with progress.open("a") as f:
         f.write(json.dumps(entry) + "\n")
+
+
+def _size(path: str | None) -> int | None:
+    try:
+        return os.path.getsize(path) if path else None
+    except OSError:
+        return None
 
 
 def run(spec: dict) -> int:
@@ -51,6 +61,7 @@ def run(spec: dict) -> int:
         add_cli_args(parser)
         args = parser.parse_args(load["args"])
         before = prefix_cache_counters(spec["port"])
+        log_before = _size(spec.get("server_log"))
         t = time.monotonic()
         try:
             result = main(args)
@@ -60,6 +71,9 @@ def run(spec: dict) -> int:
             entry["traceback"] = traceback.format_exc()[-3000:]
             failures += 1
         entry["wall_s"] = time.monotonic() - t
+        log_after = _size(spec.get("server_log"))
+        if log_before is not None and log_after is not None:
+            entry["server_log_bytes"] = [log_before, log_after]
         after = prefix_cache_counters(spec["port"])
         if before is not None and after is not None:
             entry["prefix_cache"] = {k: after[k] - before[k] for k in after}

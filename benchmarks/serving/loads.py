@@ -7,9 +7,10 @@ would send the same prompts, and the second would be served from the prefix cach
 vLLM saves its own result JSON (``--save-result``); ``--metadata`` records in it which
 server, side and load it belongs to, so the files describe themselves.
 
-A load is written ``name=NAME,in=N,out=N,rate=R,concurrency=C,prompts=N`` on the command
-line (``rate`` in requests per second, ``inf`` to send all at once; ``concurrency``
-optional), or chosen from ``PRESETS`` by name.
+A load is written ``name=NAME,in=N,out=N,rate=R,concurrency=C,prompts=N,range=F`` on the
+command line (``rate`` in requests per second, ``inf`` to send all at once; ``concurrency``
+and ``range`` optional), or chosen from ``PRESETS`` by name. ``range`` is vLLM's
+``--random-range-ratio``: lengths drawn from [len * (1 - F), len * (1 + F)] instead of fixed.
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ class Load:
     prompts: int
     max_concurrency: int | None = None
     measured: bool = True  # False: a warm-up, sent but not reported
+    range_ratio: float = 0.0  # vLLM's --random-range-ratio: 0, every prompt and output its fixed length
 
     def describe(self) -> str:
         arrival = f"{self.request_rate:g} req/s" if math.isfinite(self.request_rate) else "all at once"
         if self.max_concurrency:
             arrival += f", at most {self.max_concurrency} in flight"
-        return f"{self.input_len} in / {self.output_len} out, {arrival}, {self.prompts} prompts"
+        spread = f" (each +-{100 * self.range_ratio:g}%)" if self.range_ratio else ""
+        return f"{self.input_len} in / {self.output_len} out{spread}, {arrival}, {self.prompts} prompts"
 
     def bench_args(self, *, served_model: str, tokenizer: str, port: int, seed: int, prompts: int,
                    result_dir: str, result_filename: str, metadata: dict[str, object],
@@ -56,6 +59,8 @@ class Load:
         ]  # fmt: skip
         if self.max_concurrency:
             args += ["--max-concurrency", str(self.max_concurrency)]
+        if self.range_ratio:
+            args += ["--random-range-ratio", f"{self.range_ratio:g}"]
         args += [*extra, "--metadata", *(f"{k}={v}" for k, v in metadata.items())]
         return args
 
@@ -70,11 +75,16 @@ class Load:
 # (a splitting op in vLLM 0.33's defaults) and the plugin's fused op are not, unless
 # VLLM_MLA_FUSION_GRAPH_ROPE=1 moves the latter into the graph. The warm-up goes first on every server
 # (first requests after start-up pay one-time costs; its own seed keeps its prompts out of
-# the measured loads' prefix cache).
+# the measured loads' prefix cache). Its lengths vary (+-90%) so that its steps take every
+# size from a few hundred tokens to the 8192 of a full chunk: a step of more tokens than vLLM
+# captures runs eagerly, and kernels that specialise on the token count (vLLM's Triton fused
+# MoE picks its tile by it) compile at the first step of each size class. Fixed 1k prompts
+# left such compiles to the measured loads of the fp8-MoE stand-in (stop 28's ~1.6 s p99
+# TTFT at rate4 on both sides); the servers' JIT monitor (run.py) now counts them per load.
 PRESETS: dict[str, Load] = {
     load.name: load
     for load in (
-        Load("warmup", 1024, 16, math.inf, prompts=32, max_concurrency=16, measured=False),
+        Load("warmup", 2048, 64, math.inf, prompts=48, max_concurrency=16, measured=False, range_ratio=0.9),
         Load("rate4", 1024, 128, 4.0, prompts=100),
         Load("rate16", 1024, 128, 16.0, prompts=200),
         Load("saturate", 512, 256, math.inf, prompts=256, max_concurrency=64),
@@ -88,7 +98,7 @@ DEFAULT_LOADS = ("warmup", "rate4", "rate16", "saturate", "prefill")
 
 
 def parse_load(text: str) -> Load:
-    """A preset's name, or ``name=NAME,in=N,out=N,rate=R[,concurrency=C],prompts=N[,warmup=1]``."""
+    """A preset's name, or ``name=NAME,in=N,out=N,rate=R[,concurrency=C],prompts=N[,range=F][,warmup=1]``."""
     if "=" not in text:
         if text not in PRESETS:
             raise ValueError(f"unknown load {text!r}; presets: {sorted(PRESETS)}")
@@ -99,9 +109,9 @@ def parse_load(text: str) -> Load:
         if not sep:
             raise ValueError(f"load {text!r}: {item!r} is not KEY=VALUE")
         fields[key.strip()] = value.strip()
-    known = {"name", "in", "out", "rate", "concurrency", "prompts", "warmup"}
+    known = {"name", "in", "out", "rate", "concurrency", "prompts", "range", "warmup"}
     if set(fields) - known or not {"name", "in", "out", "rate", "prompts"} <= set(fields):
-        raise ValueError(f"load {text!r}: keys name, in, out, rate, prompts (and optionally concurrency, warmup)")
+        raise ValueError(f"load {text!r}: keys name, in, out, rate, prompts (and optionally concurrency, range, warmup)")
     load = Load(
         name=fields["name"],
         input_len=int(fields["in"]),
@@ -110,9 +120,12 @@ def parse_load(text: str) -> Load:
         prompts=int(fields["prompts"]),
         max_concurrency=int(fields["concurrency"]) if "concurrency" in fields else None,
         measured=fields.get("warmup", "0") not in ("1", "true", "yes"),
+        range_ratio=float(fields.get("range", "0")),
     )
     if min(load.input_len, load.output_len, load.prompts) < 1 or not load.request_rate > 0:
         raise ValueError(f"load {text!r}: lengths, prompts and rate must be positive")
+    if not 0 <= load.range_ratio < 1:
+        raise ValueError(f"load {text!r}: range must be in [0, 1) (vLLM's --random-range-ratio)")
     if not re.fullmatch(r"[A-Za-z0-9_-]+", load.name):
         raise ValueError(f"load {text!r}: a name of letters, digits, '_' and '-' (it names files)")
     return load

@@ -62,12 +62,14 @@ def comparison_pairs(sides: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def summarize(results: list[dict], sides: list[str], layers: int, prefix_cache: dict | None = None) -> dict:
+def summarize(results: list[dict], sides: list[str], layers: int, prefix_cache: dict | None = None,
+              compiles: dict | None = None) -> dict:  # fmt: skip
     """Per load: per side every server's figures and their spread; the comparisons; problems seen.
 
     ``prefix_cache``: (server, load) -> the server's prefix-cache token counters over that load.
+    ``compiles``: (server, load) -> the kernels the server compiled during that load (server.kernel_compiles).
     """
-    prefix_cache = prefix_cache or {}
+    prefix_cache, compiles = prefix_cache or {}, compiles or {}
     loads: dict[str, dict] = {}
     for r in results:
         load = loads.setdefault(r["load"], {"sides": {}, "problems": []})
@@ -77,6 +79,8 @@ def summarize(results: list[dict], sides: list[str], layers: int, prefix_cache: 
         counters = prefix_cache.get((int(r["server"]), r["load"]))
         if counters and counters.get("queries"):
             server["prefix_cache_hit_fraction"] = counters["hits"] / counters["queries"]
+        if (int(r["server"]), r["load"]) in compiles:
+            server["kernel_compiles"] = compiles[(int(r["server"]), r["load"])]
         if r.get("failed") or r.get("completed") != r.get("num_prompts"):
             load["problems"].append(f"server {r['server']} ({r['side']}): {r.get('completed')} of "
                                     f"{r.get('num_prompts')} requests completed, {r.get('failed')} failed")  # fmt: skip
@@ -152,13 +156,36 @@ def markdown(report: dict) -> str:
                 hits.append(f"{s} {', '.join(f'{100 * f:.1f}%' for f in fractions)}")
         if hits:
             lines.append(f"\nPrefix-cache hits (share of prompt tokens, per server): {'; '.join(hits)}.")
+        lines += _compiles_line(load, sides)
         for problem in load["problems"]:
             lines.append(f"\n**Problem:** {problem}")
+    warmups = [f"server {v['index']} ({v['side']}) {e['load']}: {len(e['kernel_compiles'])}"
+               for v in report.get("servers", []) for e in v.get("loads", [])
+               if e.get("load") not in cfg["loads"] and "kernel_compiles" in e]  # fmt: skip
+    if warmups:
+        lines += ["", f"Kernels compiled during the warm-up (not measured): {'; '.join(warmups)}."]
     if report.get("skipped"):
         lines += ["", "## Not run", ""] + [f"- {s}" for s in report["skipped"]]
     if report.get("errors"):
         lines += ["", "## Errors", ""] + [f"- {e}" for e in report["errors"]]
     return "\n".join(lines) + "\n"
+
+
+def _compiles_line(load: dict, sides: list[str]) -> list[str]:
+    """What vLLM's JIT monitor logged during the load, per server: a compile stalls the engine, and the
+    requests in flight then carry it (their TTFT p99 above all)."""
+    counted = [(s, v) for s in sides for v in load["sides"][s]["servers"] if "kernel_compiles" in v]
+    if not counted:
+        return []
+    if not any(v["kernel_compiles"] for _, v in counted):
+        return [f"\nKernels compiled during the load: none on any of the {len(counted)} server(s) (vLLM's JIT monitor)."]
+    parts = []
+    for side, v in counted:
+        names = v["kernel_compiles"]
+        kinds = ", ".join(f"{n} x{names.count(n)}" for n in dict.fromkeys(names))
+        parts.append(f"server {v['server']} ({side}): {len(names)}" + (f" ({kinds})" if names else ""))
+    return [f"\n**Kernels compiled during the load** (vLLM's JIT monitor; each stalls the engine while it "
+            f"compiles, inside this load's latencies): {'; '.join(parts)}."]  # fmt: skip
 
 
 def plot(report: dict, path: Path) -> str:

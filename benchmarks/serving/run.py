@@ -31,18 +31,21 @@ from .. import provenance
 from . import models, probe, report
 from .loads import DEFAULT_LOADS, parse_loads, scaled_prompts
 from .plan import MIN_SCALE, PROBE_S, SPEEDS, TEARDOWN_S, Estimator, Measured, plan
-from .server import PortTaken, Server, ServerFailed, ServerSpec, confirm_side, notable_lines
+from .server import PortTaken, Server, ServerFailed, ServerSpec, confirm_side, kernel_compiles, notable_lines
 from .sides import Side, parse_sides, server_order
 
 REPO = Path(__file__).resolve().parents[2]
 REPORT_RESERVE_S = 20.0  # after the last server: the report, the plot, the copies
 SERVED_MODEL = "dsv3-stand-in"
 # vLLM's defaults otherwise (chunked prefill, prefix caching, async scheduling, torch.compile
-# and CUDA graphs, its attention backend); the access log would add a line per request.
-GPU_SERVER_ARGS = ["--load-format", "dummy", "--seed", "0", "--disable-uvicorn-access-log"]
+# and CUDA graphs, its attention backend); the access log would add a line per request. The JIT
+# monitor's verbose mode logs every kernel compiled while serving, not only each kernel's first
+# (the report counts them per load: a compile stalls the engine inside a measured load).
+GPU_SERVER_ARGS = ["--load-format", "dummy", "--seed", "0", "--disable-uvicorn-access-log", "--jit-monitor-verbose"]
 # vLLM's CPU platform, as tests/vllm_plugin/test_serve.py runs it (the CUDA wheel's missing
 # kernels replaced by demo/cpu_stand_ins.py through demo.serve).
-CPU_SERVER_ARGS = ["--load-format", "dummy", "--seed", "0", "--disable-uvicorn-access-log", "--dtype", "float32",
+CPU_SERVER_ARGS = ["--load-format", "dummy", "--seed", "0", "--disable-uvicorn-access-log", "--jit-monitor-verbose",
+                   "--dtype", "float32",
                    "--enforce-eager", "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(64 << 20),
                    "--attention-backend", "CPU_MLA"]  # fmt: skip
 
@@ -126,7 +129,9 @@ def model_config(args) -> dict:
 
 def run_key(args, config: dict) -> str:
     """What must match for --resume to add servers to the same comparison (more servers per side may be asked)."""
-    same = {"config": config, "sides": [s.name for s in args.side_list], "loads": [vars(ld) for ld in args.load_list],
+    # A load's range_ratio only where set: fixed-length loads keep the keys they had before it existed.
+    loads = [{k: v for k, v in vars(ld).items() if k != "range_ratio" or v} for ld in args.load_list]
+    same = {"config": config, "sides": [s.name for s in args.side_list], "loads": loads,
             "cpu": args.cpu, "server_args": args.server_arg,
             "bench_args": args.bench_arg, "max_model_len": args.max_model_len, "seed": args.seed}  # fmt: skip
     # Only where set: the runs kept from before these options keep their keys.
@@ -341,6 +346,7 @@ class Benchmark:
                 record["late"] = "the client ran past the deadline and was stopped"
             record["client_exit"] = client.poll()
             record["loads"] = self.read_progress(index, side)
+            attribute_kernel_compiles(record["loads"], server.log_path)
             for entry in record["loads"]:
                 if "error" in entry:
                     record.setdefault("error", f"load {entry['load']}: {entry['error']}")
@@ -363,7 +369,7 @@ class Benchmark:
 
     def _start(self, index: int, side: Side, warm: bool, scale: float, record: dict) -> tuple[Server, subprocess.Popen]:
         """The server and its client (which imports vLLM while the server starts), once /health answers."""
-        log_path = self.logs_dir / f"server-{index:02d}-{side.slug}.log"
+        log_path = self.server_log_path(index, side)
         for _attempt in range(3):
             server = Server(self.server_spec(), side, self.side_env(side), log_path)
             client = self.start_client(index, side, server.port, scale)
@@ -427,8 +433,12 @@ class Benchmark:
             "progress": str(self.logs_dir / f"progress-{index:02d}.jsonl"),
         }
 
+    def server_log_path(self, index: int, side: Side) -> Path:
+        return self.logs_dir / f"server-{index:02d}-{side.slug}.log"
+
     def start_client(self, index: int, side: Side, port: int, scale: float) -> subprocess.Popen:
         spec = self.client_spec(index, side, port, scale)
+        spec["server_log"] = str(self.server_log_path(index, side))
         for name in ("go_file", "stop_file", "progress"):
             Path(spec[name]).unlink(missing_ok=True)
         spec_path = self.logs_dir / f"client-{index:02d}.json"
@@ -499,11 +509,13 @@ class Benchmark:
     def write_report(self) -> dict:
         a = self.args
         servers = self.state["servers"]
-        prefix_cache = {}
+        prefix_cache, compiles = {}, {}
         for s in servers:
             for entry in s.get("loads", []):
                 if "prefix_cache" in entry:
                     prefix_cache[(s["index"], entry["load"])] = entry["prefix_cache"]
+                if "kernel_compiles" in entry:
+                    compiles[(s["index"], entry["load"])] = entry["kernel_compiles"]
         sides = [s.name for s in a.side_list]
         out = {
             "config": {
@@ -519,7 +531,7 @@ class Benchmark:
             "servers": servers,
             "servers_measured": sum(1 for s in servers if s.get("loads")),
             "servers_per_side_measured": {n: sum(1 for s in servers if s["side"] == n and s.get("loads")) for n in sides},
-            "loads": report.summarize(report.read_results(self.results_dir), sides, a.layers, prefix_cache),
+            "loads": report.summarize(report.read_results(self.results_dir), sides, a.layers, prefix_cache, compiles),
             "probe": self.probe_summary() if a.probe else None,
             "problems": [],
             "measured_times": self.measured.to_json(),
@@ -542,6 +554,19 @@ class Benchmark:
         shutil.copytree(self.logs_dir, raw / "logs")
         print(markdown, flush=True)
         return out
+
+
+def attribute_kernel_compiles(loads: list[dict], server_log: Path) -> None:
+    """Each load's ``kernel_compiles``: the compiles the server logged between the client's two readings
+    of the log's size (``server_log_bytes``); loads without both readings get none (not an empty list)."""
+    try:
+        text = server_log.read_bytes()
+    except OSError:
+        return
+    for entry in loads:
+        span = entry.get("server_log_bytes")
+        if span:
+            entry["kernel_compiles"] = kernel_compiles(text[span[0] : span[1]].decode(errors="replace"))
 
 
 def probe_profiler_config(directory: Path) -> dict:

@@ -34,6 +34,15 @@ NOTABLE_LINE = re.compile(
     r"(attention backend|Using \S+ backend|MoE|moe|KV cache size|Maximum concurrency|torch\.compile take|"
     r"Graph capturing finished|Model loading took|init engine|vllm-mla-fusion)"
 )
+# vLLM's kernel JIT monitor (vllm/model_executor/warmup/jit_monitor.py, 0.33), active once the server has
+# warmed up: "Triton kernel JIT compilation during inference: <kernel>", "CuTeDSL JIT compilation ...", and
+# Triton's own "Triton autotuning for function <kernel>" (which the monitor switches on). Without
+# --jit-monitor-verbose vLLM logs only a kernel's first compile; run.py starts every server with it.
+KERNEL_COMPILE_LINE = re.compile(
+    # the kernel is Triton's __qualname__ (dots, <locals>), ended by the verbose details or the advice
+    r"(?P<backend>\w+) (?:kernel )?JIT compilation during inference: (?P<kernel>.+?)(?: \(|\. This causes)"
+    r"|Triton (?P<autotune>autotuning) for function (?P<tuned>[\w.]+)"
+)
 HEALTH_POLL_S = 1.0
 
 
@@ -112,6 +121,16 @@ def notable_lines(log: str, limit: int = 40) -> list[str]:
             out.append(line.strip()[:300])
             if len(out) == limit:
                 break
+    return out
+
+
+def kernel_compiles(log: str) -> list[str]:
+    """The kernels compiled or autotuned while serving, in the order ``log`` (a stretch of a server log)
+    names them: ``"Triton fused_moe_kernel"``, ``"Triton autotuning _fwd_kernel"``. Each stalls the engine
+    for the compile's length, so the requests in flight then carry it in their TTFT and ITL."""
+    out = []
+    for m in KERNEL_COMPILE_LINE.finditer(log):
+        out.append(f"Triton autotuning {m['tuned']}" if m["autotune"] else f"{m['backend']} {m['kernel']}")
     return out
 
 

@@ -24,11 +24,29 @@ def test_a_load_written_out():
     assert load == Load("short", 64, 8, math.inf, prompts=6, max_concurrency=4)
     assert parse_load("name=w,in=8,out=2,rate=2,prompts=3,warmup=1").measured is False
     assert parse_load("rate16") is PRESETS["rate16"]
+    assert parse_load("name=v,in=64,out=8,rate=4,prompts=6,range=0.5").range_ratio == 0.5
+    assert parse_load("name=v,in=64,out=8,rate=4,prompts=6").range_ratio == 0.0
+
+
+def test_the_warm_up_takes_every_step_size_class_of_the_loads():
+    """Its prompts vary from about a tenth of to nearly twice 2048 tokens, with up to 16 in flight: its steps
+    take sizes from a few hundred tokens to a full 8192-token chunk, which the measured loads' eager steps
+    (a 512- or 1k-token prompt plus decodes, a 4k prompt) fall within; the measured loads stay fixed."""
+    w = PRESETS["warmup"]
+    assert not w.measured and w.max_concurrency >= 8 and w.prompts >= 3 * w.max_concurrency
+    low, high = w.input_len * (1 - w.range_ratio), w.input_len * (1 + w.range_ratio)
+    assert low <= PRESETS["saturate"].input_len and high >= PRESETS["prefill"].input_len * 0.9
+    assert high + w.output_len * (1 + w.range_ratio) <= 8192  # within the default --max-model-len
+    assert all(PRESETS[name].range_ratio == 0 for name in DEFAULT_LOADS if name != "warmup")
+    assert "--random-range-ratio" not in _args(PRESETS["rate4"])
+    args = _args(w)
+    assert args[args.index("--random-range-ratio") + 1] == "0.9"
 
 
 @pytest.mark.parametrize("text", ["nosuch", "name=x,in=64,out=8,rate=4", "name=x,in=64,out=8,rate=4,prompts=0",
                                   "name=x,in=64,out=8,rate=0,prompts=4", "name=a/b,in=1,out=1,rate=1,prompts=1",
-                                  "name=x,in=64,out=8,rate=4,prompts=4,colour=red", "name=x,in64"])  # fmt: skip
+                                  "name=x,in=64,out=8,rate=4,prompts=4,colour=red", "name=x,in64",
+                                  "name=x,in=64,out=8,rate=4,prompts=4,range=1", "name=x,in=64,out=8,rate=4,prompts=4,range=-0.1"])  # fmt: skip
 def test_bad_loads_are_refused(text):
     with pytest.raises(ValueError):
         parse_load(text)
@@ -71,6 +89,8 @@ def test_vllm_bench_serve_reads_the_arguments_as_meant():
     assert a.ready_check_timeout_sec == 5
     paced = parser.parse_args(_args(PRESETS["rate4"]))
     assert paced.request_rate == 4.0 and paced.max_concurrency is None
+    assert float(paced.random_range_ratio) == 0.0
+    assert float(parser.parse_args(_args(PRESETS["warmup"])).random_range_ratio) == 0.9
 
 
 def test_a_chat_like_load_whose_mixed_steps_replay_piecewise_graphs():

@@ -99,6 +99,30 @@ def test_prefix_cache_share_per_server(write_results):
     assert "prefix_cache_hit_fraction" not in servers[1]  # nothing queried: no share
 
 
+def test_kernels_compiled_during_a_load_are_told_per_server(write_results):
+    """A compile inside a measured load is named with its server and side; a load where every counted
+    server compiled nothing says so; servers without a count (older runs) are left out, and so is a load
+    none of whose servers was counted; the warm-up's counts are listed apart."""
+    results = report.read_results(write_results(_two_per_side()))
+    compiles = {(0, "rate4"): ["Triton fused_moe_kernel", "Triton fused_moe_kernel", "Triton _quant"],
+                (1, "rate4"): [], (2, "rate4"): [], (0, "saturate"): [], (1, "saturate"): []}  # fmt: skip
+    loads = report.summarize(results, ["on", "off"], layers=61, compiles=compiles)
+    servers = {s["server"]: s for side in loads["rate4"]["sides"].values() for s in side["servers"]}
+    assert servers[0]["kernel_compiles"] == compiles[(0, "rate4")] and servers[1]["kernel_compiles"] == []
+    assert "kernel_compiles" not in servers[3]
+    rep = _report(loads)
+    rep["servers"] = [{"index": 0, "side": "on", "loads": [{"load": "warmup", "kernel_compiles": ["Triton a"] * 4},
+                                                           {"load": "rate4", "kernel_compiles": []}]}]  # fmt: skip
+    md = report.markdown(rep)
+    rate4, saturate = md.split("## saturate")
+    assert ("server 0 (on): 3 (Triton fused_moe_kernel x2, Triton _quant x1); server 1 (off): 0; "
+            "server 2 (off): 0.") in rate4  # fmt: skip
+    assert "none on any of the 2 server(s)" in saturate
+    assert "Kernels compiled during the warm-up (not measured): server 0 (on) warmup: 4." in md
+    plain = report.markdown(_report(report.summarize(results, ["on", "off"], layers=61)))
+    assert "compiled" not in plain
+
+
 def _report(loads, layers=61, sides=("on", "off")):
     return {"config": {"model_description": "stand-in", "server_summary": "defaults", "sides": list(sides),
                        "layers": layers, "loads": {"rate4": "1024 in / 128 out, 4 req/s, 100 prompts"}},

@@ -156,10 +156,13 @@ def test_one_gpu_defaults_are_unchanged_by_the_tp_options(tmp_path):
     assert spec.args == [*run.GPU_SERVER_ARGS, "--max-model-len", "8192"]
     assert "VLLM_SERVER_DEV_MODE" not in bench.side_env(a.side_list[0])
     assert bench.model_tag == "dense61" and bench.estimator.probe_s == 0.0
-    # The keys commit 2146cfd gave these configurations: runs kept on a machine still resume.
-    assert run.run_key(a, run.model_config(a)) == "4cc2c8f3d28e6793"
+    # The keys of these configurations since the warm-up of varied lengths (a run kept on a machine with the
+    # old warm-up must not resume into this one); fixed-length loads keep the keys commit 2146cfd gave them.
+    assert run.run_key(a, run.model_config(a)) == "e92bd53210d52efa"
     b = run.parse_args(["--out", str(tmp_path), "--model", "fp8-moe", "--layers", "20"])
-    assert run.run_key(b, run.model_config(b)) == "8f2c7719ef7c96a1"
+    assert run.run_key(b, run.model_config(b)) == "fd5c800e85989501"
+    c = run.parse_args(["--out", str(tmp_path), "--loads", "rate4", "rate16", "saturate", "prefill"])
+    assert run.run_key(c, run.model_config(c)) == "1b55c42be26f07b8"
 
 
 def test_the_full_model_at_tp8_with_the_probe(tmp_path, capsys):
@@ -261,3 +264,21 @@ def test_the_fp8_models_start_without_deepgemm_on_every_side_and_wait_longer(tmp
     assert dense.start_timeout_s() == 420.0
     given = run.Benchmark(run.parse_args(["--out", str(tmp_path / "g"), "--model", "fp8-moe", "--start-timeout-s", "99"]))
     assert given.start_timeout_s() == 99.0
+
+
+def test_each_load_gets_the_kernels_its_server_compiled_during_it(tmp_path):
+    """The client's two readings of the server log's size bound a load's stretch of the log: a compile
+    logged there is that load's, one before or after is not; a load without both readings gets none."""
+    head = "INFO start-up\n(EngineCore pid=1) WARNING [jit_monitor.py:140] Triton kernel JIT compilation during inference: early. This causes a latency spike\n"
+    first = "noise\n(EngineCore pid=1) WARNING [jit_monitor.py:140] Triton kernel JIT compilation during inference: fused_moe_kernel (constexprs={BLOCK_SIZE_M=64}). This causes a latency spike\n"
+    second = "noise only\n"
+    log = tmp_path / "server.log"
+    log.write_text(head + first + second + "Triton autotuning for function late,\n")
+    a, b, c = len(head.encode()), len((head + first).encode()), len((head + first + second).encode())
+    loads = [{"load": "warmup", "server_log_bytes": [a, b]}, {"load": "rate4", "server_log_bytes": [b, c]},
+             {"load": "rate16"}]  # fmt: skip
+    run.attribute_kernel_compiles(loads, log)
+    assert loads[0]["kernel_compiles"] == ["Triton fused_moe_kernel"]
+    assert loads[1]["kernel_compiles"] == []
+    assert "kernel_compiles" not in loads[2]
+    assert "--jit-monitor-verbose" in run.GPU_SERVER_ARGS  # else vLLM logs each kernel's first compile only

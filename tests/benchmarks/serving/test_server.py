@@ -15,6 +15,7 @@ from benchmarks.serving.server import (
     ServerFailed,
     ServerSpec,
     confirm_side,
+    kernel_compiles,
     notable_lines,
     parse_prefix_cache_counters,
 )
@@ -67,6 +68,23 @@ def test_off_must_not_have_the_line():
 def test_notable_lines():
     log = "\n".join(["noise", LINE, "INFO Using FLASH_ATTN_MLA backend.", "GPU KV cache size: 1,000 tokens", "noise"])
     assert notable_lines(log) == [LINE, "INFO Using FLASH_ATTN_MLA backend.", "GPU KV cache size: 1,000 tokens"]
+
+
+def test_kernel_compiles_as_vllms_jit_monitor_logs_them():
+    """vLLM 0.33's lines (jit_monitor.py), verbose and not, a qualified kernel name, CuTeDSL, Triton's
+    autotuning print (three lines of its own); other warnings are not compiles."""
+    log = "\n".join([
+        "(EngineCore pid=2255) WARNING 12-02 22:18:00 [jit_monitor.py:140] Triton kernel JIT compilation during "
+        "inference: fused_moe_kernel. This causes a latency spike; consider extending warmup to cover this shape/config.",
+        "(EngineCore pid=2255) WARNING 12-02 22:18:01 [jit_monitor.py:140] Triton kernel JIT compilation during "
+        "inference: make.<locals>._quant (constexprs={BLOCK=128}; signature={x_ptr='*bf16'}). This causes a latency spike",
+        "WARNING [jit_monitor.py:140] CuTeDSL JIT compilation during inference: gemm_rs. This causes a latency spike",
+        "Triton autotuning for function _fwd_kernel,", "with key as (1, 64),", "finished after 0.52s,",
+        "WARNING [core.py:1] something during inference: not a compile",
+    ])  # fmt: skip
+    assert kernel_compiles(log) == ["Triton fused_moe_kernel", "Triton make.<locals>._quant", "CuTeDSL gemm_rs",
+                                    "Triton autotuning _fwd_kernel"]  # fmt: skip
+    assert kernel_compiles("INFO Using FLASH_ATTN_MLA backend.\n") == []
 
 
 def test_prefix_cache_counters_are_summed_over_engines():

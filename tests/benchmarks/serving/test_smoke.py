@@ -41,6 +41,9 @@ def test_both_sides_ran_and_were_what_they_say(smoke):
     for server in data["servers"]:
         assert [ld["load"] for ld in server["loads"]] == ["warm", "burst", "paced"]
         assert all("prefix_cache" in ld and "error" not in ld for ld in server["loads"])
+        # vLLM took --jit-monitor-verbose, and each load's stretch of the server log was read for compiles
+        assert all(isinstance(ld["kernel_compiles"], list) for ld in server["loads"])
+        assert all(0 < ld["server_log_bytes"][0] <= ld["server_log_bytes"][1] for ld in server["loads"])
         assert server["start_s"] > 0 and server["teardown_s"] >= 0
 
 
