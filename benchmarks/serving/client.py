@@ -10,8 +10,8 @@ Per load it appends one line to the spec's ``progress`` file (JSON lines, so tha
 kill leaves what was done): the load, the seconds it took, the server's prefix-cache
 counters before and after (from /metrics), the size of the server's log before and after
 (the driver reads which kernels compiled during the load from the bytes between), and any
-error. A load whose estimate no longer
-fits the deadline is recorded as skipped and not started.
+error. A load whose estimate no longer fits the deadline is recorded as skipped and not
+started.
 """
 
 from __future__ import annotations

@@ -76,11 +76,12 @@ def summarize(results: list[dict], sides: list[str], layers: int, prefix_cache: 
         server = {"server": int(r["server"]), "file": r["_file"], "completed": r.get("completed"),
                   "failed": r.get("failed"), "num_prompts": r.get("num_prompts"), "duration_s": r.get("duration")}  # fmt: skip
         server.update({name: r.get(name) for name, _, _ in METRICS})
-        counters = prefix_cache.get((int(r["server"]), r["load"]))
+        key = (int(r["server"]), r["load"])
+        counters = prefix_cache.get(key)
         if counters and counters.get("queries"):
             server["prefix_cache_hit_fraction"] = counters["hits"] / counters["queries"]
-        if (int(r["server"]), r["load"]) in compiles:
-            server["kernel_compiles"] = compiles[(int(r["server"]), r["load"])]
+        if key in compiles:
+            server["kernel_compiles"] = compiles[key]
         if r.get("failed") or r.get("completed") != r.get("num_prompts"):
             load["problems"].append(f"server {r['server']} ({r['side']}): {r.get('completed')} of "
                                     f"{r.get('num_prompts')} requests completed, {r.get('failed')} failed")  # fmt: skip

@@ -44,10 +44,8 @@ SERVED_MODEL = "dsv3-stand-in"
 GPU_SERVER_ARGS = ["--load-format", "dummy", "--seed", "0", "--disable-uvicorn-access-log", "--jit-monitor-verbose"]
 # vLLM's CPU platform, as tests/vllm_plugin/test_serve.py runs it (the CUDA wheel's missing
 # kernels replaced by demo/cpu_stand_ins.py through demo.serve).
-CPU_SERVER_ARGS = ["--load-format", "dummy", "--seed", "0", "--disable-uvicorn-access-log", "--jit-monitor-verbose",
-                   "--dtype", "float32",
-                   "--enforce-eager", "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(64 << 20),
-                   "--attention-backend", "CPU_MLA"]  # fmt: skip
+CPU_SERVER_ARGS = [*GPU_SERVER_ARGS, "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "8",
+                   "--kv-cache-memory-bytes", str(64 << 20), "--attention-backend", "CPU_MLA"]  # fmt: skip
 
 
 def log(msg: str) -> None:
@@ -431,6 +429,7 @@ class Benchmark:
             "go_file": str(self.work / f"go-{index:02d}"),
             "stop_file": str(self.work / f"stop-{index:02d}"),
             "progress": str(self.logs_dir / f"progress-{index:02d}.jsonl"),
+            "server_log": str(self.server_log_path(index, side)),
         }
 
     def server_log_path(self, index: int, side: Side) -> Path:
@@ -438,7 +437,6 @@ class Benchmark:
 
     def start_client(self, index: int, side: Side, port: int, scale: float) -> subprocess.Popen:
         spec = self.client_spec(index, side, port, scale)
-        spec["server_log"] = str(self.server_log_path(index, side))
         for name in ("go_file", "stop_file", "progress"):
             Path(spec[name]).unlink(missing_ok=True)
         spec_path = self.logs_dir / f"client-{index:02d}.json"

@@ -128,10 +128,8 @@ def kernel_compiles(log: str) -> list[str]:
     """The kernels compiled or autotuned while serving, in the order ``log`` (a stretch of a server log)
     names them: ``"Triton fused_moe_kernel"``, ``"Triton autotuning _fwd_kernel"``. Each stalls the engine
     for the compile's length, so the requests in flight then carry it in their TTFT and ITL."""
-    out = []
-    for m in KERNEL_COMPILE_LINE.finditer(log):
-        out.append(f"Triton autotuning {m['tuned']}" if m["autotune"] else f"{m['backend']} {m['kernel']}")
-    return out
+    return [f"Triton autotuning {m['tuned']}" if m["autotune"] else f"{m['backend']} {m['kernel']}"
+            for m in KERNEL_COMPILE_LINE.finditer(log)]
 
 
 def prefix_cache_counters(port: int, timeout_s: float = 5.0) -> dict[str, float] | None:
