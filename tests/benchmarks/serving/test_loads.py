@@ -37,10 +37,21 @@ def test_the_warm_up_takes_every_step_size_class_of_the_loads():
     low, high = w.input_len * (1 - w.range_ratio), w.input_len * (1 + w.range_ratio)
     assert low <= PRESETS["saturate"].input_len and high >= PRESETS["prefill"].input_len * 0.9
     assert high + w.output_len * (1 + w.range_ratio) <= 8192  # within the default --max-model-len
-    assert all(PRESETS[name].range_ratio == 0 for name in DEFAULT_LOADS if name != "warmup")
+    assert all(PRESETS[name].range_ratio == 0 for name in DEFAULT_LOADS if PRESETS[name].measured)
     assert "--random-range-ratio" not in _args(PRESETS["rate4"])
     args = _args(w)
     assert args[args.index("--random-range-ratio") + 1] == "0.9"
+
+
+def test_a_second_warm_up_takes_the_saturating_loads_mix_before_it():
+    """Stop 32's H200 run: fused-MoE compiles inside ``saturate`` (64 decodes plus short prompts) that the long
+    prompts at 16 in flight never caused; the decode warm-up runs that mix at the same concurrency, before every
+    measured load, with lengths around saturate's."""
+    d, sat = PRESETS["warmup_decode"], PRESETS["saturate"]
+    assert not d.measured and d.max_concurrency == sat.max_concurrency and d.prompts >= 2 * d.max_concurrency
+    assert d.input_len * (1 - d.range_ratio) <= sat.input_len <= d.input_len * (1 + d.range_ratio)
+    measured = [name for name in DEFAULT_LOADS if PRESETS[name].measured]
+    assert DEFAULT_LOADS.index("warmup_decode") < DEFAULT_LOADS.index(measured[0])
 
 
 @pytest.mark.parametrize("text", ["nosuch", "name=x,in=64,out=8,rate=4", "name=x,in=64,out=8,rate=4,prompts=0",

@@ -97,7 +97,7 @@ def test_the_h200_defaults_fit_one_call():
 
     e = P.Estimator(P.SPEEDS["dense"], 61, P.Measured())
     loads = parse_loads(list(DEFAULT_LOADS))
-    p = P.plan(_queue(), 570 - 20 - 20, e, loads, set())
+    p = P.plan(_queue(), 585 - 20 - 20, e, loads, set())
     assert [s.name for _, s in p.servers] == ["on", "off"] and p.scale == 1.0
     warm = P.plan(server_order(parse_sides(["on", "off"]), 2, first=2), 530, e, loads, {"on", "off"})
     assert [s.name for _, s in warm.servers] == ["off", "on"]

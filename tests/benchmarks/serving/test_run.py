@@ -21,7 +21,7 @@ FAKE_RUN = ["--model", "tiny", "--cpu", "--no-plot", "--servers-per-side", "1", 
 def test_defaults(tmp_path):
     a = run.parse_args(["--out", str(tmp_path)])
     assert (a.model, a.layers, a.sides, a.servers_per_side, a.tag) == ("dense", 61, ["on", "off"], 2, "dense")
-    assert [ld.name for ld in a.load_list] == ["warmup", "rate4", "rate16", "saturate", "prefill"]
+    assert [ld.name for ld in a.load_list] == ["warmup", "warmup_decode", "rate4", "rate16", "saturate", "prefill"]
     assert a.work_dir == tmp_path / "work"
     assert run.parse_args(["--out", str(tmp_path), "--model", "fp8-moe", "--layers", "20"]).tag == "fp8-moe20"
     assert run.parse_args(["--out", str(tmp_path), "--model", "tiny"]).layers == 3
@@ -47,7 +47,7 @@ def test_dry_run_prints_each_servers_command_and_loads(tmp_path, capsys):
     assert servers[0].endswith("--kv-cache-dtype fp8")
     assert "compile-cache/dense4/on " in servers[0] and "compile-cache/dense4/off " in servers[1]  # one per side
     benches = [ln for ln in lines if ln.strip().startswith("vllm bench serve")]
-    assert len(benches) == 4 * 5
+    assert len(benches) == 4 * 6  # two warm-ups and four measured loads per server
     seeds = [shlex.split(b)[shlex.split(b).index("--seed") + 1] for b in benches[:5]]
     assert seeds == ["0", "1", "2", "3", "4"]  # every load its own prompts
     assert all("--ready-check-timeout-sec 3" in b for b in benches)
@@ -158,9 +158,9 @@ def test_one_gpu_defaults_are_unchanged_by_the_tp_options(tmp_path):
     assert bench.model_tag == "dense61" and bench.estimator.probe_s == 0.0
     # The keys of these configurations since the warm-up of varied lengths (a run kept on a machine with the
     # old warm-up must not resume into this one); fixed-length loads keep the keys commit 2146cfd gave them.
-    assert run.run_key(a, run.model_config(a)) == "e92bd53210d52efa"
+    assert run.run_key(a, run.model_config(a)) == "733effea5304207b"
     b = run.parse_args(["--out", str(tmp_path), "--model", "fp8-moe", "--layers", "20"])
-    assert run.run_key(b, run.model_config(b)) == "fd5c800e85989501"
+    assert run.run_key(b, run.model_config(b)) == "a61a3fa39c9c8b6b"
     c = run.parse_args(["--out", str(tmp_path), "--loads", "rate4", "rate16", "saturate", "prefill"])
     assert run.run_key(c, run.model_config(c)) == "1b55c42be26f07b8"
 
