@@ -11,7 +11,8 @@ kill leaves what was done): the load, the seconds it took, the server's prefix-c
 counters before and after (from /metrics), the size of the server's log before and after
 (the driver reads which kernels compiled during the load from the bytes between), and any
 error. A load whose estimate no longer fits the deadline is recorded as skipped and not
-started.
+started. A profiled load (its spec has ``profile``) runs inside one profiling session of the
+server's workers (step_profile.py); the entry names the session's prefix, or why it failed.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def run(spec: dict) -> int:
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from . import step_profile
     from .server import prefix_cache_counters
 
     progress = Path(spec["progress"])
@@ -63,8 +65,16 @@ def run(spec: dict) -> int:
         before = prefix_cache_counters(spec["port"])
         log_before = _size(spec.get("server_log"))
         t = time.monotonic()
+        session = load.get("profile")
         try:
-            result = main(args)
+            if session:
+                step_profile.start(spec["port"], session)
+                entry["profile_prefix"] = session["prefix"]
+            try:
+                result = main(args)
+            finally:
+                if session:
+                    step_profile.stop(spec["port"])
             entry["completed"] = result.get("completed")
         except Exception as e:  # noqa: BLE001 - recorded; the next load may still run
             entry["error"] = f"{type(e).__name__}: {e}"

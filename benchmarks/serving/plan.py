@@ -58,6 +58,10 @@ TEARDOWN_S = 10.0  # SIGINT to the last process of the server gone (2-3 s measur
 # --probe (probe.py): the redraw on every rank, three greedy requests alone, a profiled decode batch and
 # rank 0's trace written and read; a guess for the full model at TP8.
 PROBE_S = 60.0
+# A profiled load (step_profile.py), on top of its requests: the workers' trace export when its steps
+# are done and the driver's reading of rank 0's trace afterwards (a guess: ~200 steps of the fp8-MoE
+# stand-in, every host op recorded).
+PROFILED_LOAD_S = 30.0
 MIN_SCALE = 0.25
 
 
@@ -97,8 +101,9 @@ class Estimator:
 
     def load_s(self, load: Load, prompts: int) -> float:
         seen = self.measured.load_s.get(f"{load.name}@{prompts}")
-        if seen:
-            return max(seen) + LOAD_OVERHEAD_S
+        profiled = PROFILED_LOAD_S if load.profile_steps else 0.0
+        if seen:  # a profiled load's measured wall time has the export in it, not the driver's reading
+            return max(seen) + LOAD_OVERHEAD_S + profiled / 2
         s = self.speed
         prefill_s = load.input_len / s.prefill_tokens_per_s
         if math.isfinite(load.request_rate):
@@ -107,7 +112,7 @@ class Estimator:
             in_flight = min(prompts, load.max_concurrency or prompts)
             waves = math.ceil(prompts / in_flight)
             busy = waves * (in_flight * prefill_s + load.output_len * s.decode_step_s)
-        return busy + LOAD_OVERHEAD_S
+        return busy + LOAD_OVERHEAD_S + profiled
 
     def server_s(self, slug: str, warm: bool, loads: list[Load], scale: float) -> float:
         return (self.start_s(slug, warm) + self.probe_s + sum(self.load_s(ld, scaled_prompts(ld, scale)) for ld in loads)

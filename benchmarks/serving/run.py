@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from .. import provenance
-from . import models, probe, report
+from . import models, probe, report, step_profile
 from .loads import DEFAULT_LOADS, parse_loads, scaled_prompts
 from .plan import MIN_SCALE, PROBE_S, SPEEDS, TEARDOWN_S, Estimator, Measured, plan
 from .server import PortTaken, Server, ServerFailed, ServerSpec, confirm_side, kernel_compiles, notable_lines
@@ -46,6 +46,9 @@ GPU_SERVER_ARGS = ["--load-format", "dummy", "--seed", "0", "--disable-uvicorn-a
 # kernels replaced by demo/cpu_stand_ins.py through demo.serve).
 CPU_SERVER_ARGS = [*GPU_SERVER_ARGS, "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "8",
                    "--kv-cache-memory-bytes", str(64 << 20), "--attention-backend", "CPU_MLA"]  # fmt: skip
+
+
+LATER_LOAD_FIELDS = ("range_ratio", "profile_steps", "profile_skip")
 
 
 def log(msg: str) -> None:
@@ -127,8 +130,8 @@ def model_config(args) -> dict:
 
 def run_key(args, config: dict) -> str:
     """What must match for --resume to add servers to the same comparison (more servers per side may be asked)."""
-    # A load's range_ratio only where set: fixed-length loads keep the keys they had before it existed.
-    loads = [{k: v for k, v in vars(ld).items() if k != "range_ratio" or v} for ld in args.load_list]
+    # A load's later fields only where set: the loads that do not use them keep the keys they had before.
+    loads = [{k: v for k, v in vars(ld).items() if k not in LATER_LOAD_FIELDS or v} for ld in args.load_list]
     same = {"config": config, "sides": [s.name for s in args.side_list], "loads": loads,
             "cpu": args.cpu, "server_args": args.server_arg,
             "bench_args": args.bench_arg, "max_model_len": args.max_model_len, "seed": args.seed}  # fmt: skip
@@ -161,6 +164,7 @@ class Benchmark:
         self.estimator = Estimator(speed, args.layers, self.measured, PROBE_S if args.probe else 0.0)
         self.skipped: list[str] = []
         self.errors: list[str] = []
+        self.profiled = any(ld.profile_steps for ld in args.load_list)
 
     # -- state ----------------------------------------------------------------------
 
@@ -206,8 +210,9 @@ class Benchmark:
         if a.tensor_parallel_size > 1:
             options += ["--tensor-parallel-size", str(a.tensor_parallel_size)]
         if a.probe:
-            options += ["--worker-extension-cls", probe.WORKER_EXTENSION,
-                        "--profiler-config", json.dumps(probe_profiler_config(self.trace_dir()))]  # fmt: skip
+            options += ["--worker-extension-cls", probe.WORKER_EXTENSION]
+        if a.probe or self.profiled:  # the /start_profile and /stop_profile routes
+            options += ["--profiler-config", json.dumps(probe_profiler_config(self.trace_dir()))]
         options += [w for arg in a.server_arg for w in shlex.split(arg)]
         if a.server_launcher:
             launcher = shlex.split(a.server_launcher)
@@ -345,6 +350,7 @@ class Benchmark:
             record["client_exit"] = client.poll()
             record["loads"] = self.read_progress(index, side)
             attribute_kernel_compiles(record["loads"], server.log_path)
+            self.read_profiles(index, side, record["loads"])
             for entry in record["loads"]:
                 if "error" in entry:
                     record.setdefault("error", f"load {entry['load']}: {entry['error']}")
@@ -407,6 +413,31 @@ class Benchmark:
             f"decode step {result.get('decode_profile', {}).get('gpu_us_median')} us GPU")  # fmt: skip
         return result
 
+    def read_profiles(self, index: int, side: Side, loads: list[dict]) -> None:
+        """Each profiled load's ``profile``: rank 0's trace read (step_profile.summarize), also kept as
+        results/step-profile-NN-<side>-<load>.json."""
+        for entry in loads:
+            prefix = entry.get("profile_prefix")
+            if not prefix or "error" in entry:
+                continue
+            path = probe.rank0_trace(self.trace_dir(), prefix, wait_s=min(60.0, max(self.left_s(), 1.0)))
+            if path is None:
+                entry["profile"] = {"error": f"no rank-0 trace {prefix}*_rank0.* in {self.trace_dir()}"}
+                continue
+            t = time.monotonic()
+            try:
+                summary = step_profile.summarize(str(path))
+            except (OSError, ValueError, KeyError) as e:  # the loads' figures stand without it
+                entry["profile"] = {"error": f"{type(e).__name__}: {e}"}
+                continue
+            summary["read_s"] = round(time.monotonic() - t, 1)
+            (self.results_dir / f"step-profile-{index:02d}-{side.slug}-{entry['load']}.json").write_text(
+                json.dumps(summary, indent=1))
+            entry["profile"] = summary
+            kinds = ", ".join(f"{n} {k['steps']}" for n, k in summary["kinds"].items())
+            log(f"server {index} ({side.name}): {entry['load']} profiled, {summary['steps']} steps ({kinds}), "
+                f"read in {summary['read_s']} s")  # fmt: skip
+
     def client_spec(self, index: int, side: Side, port: int, scale: float) -> dict:
         a = self.args
         loads = []
@@ -422,6 +453,9 @@ class Benchmark:
             )  # fmt: skip
             loads.append({"name": load.name, "prompts": prompts, "args": args,
                           "estimate_s": self.estimator.load_s(load, prompts)})  # fmt: skip
+            if load.profile_steps:
+                loads[-1]["profile"] = {"prefix": step_profile.prefix(index, side.slug, load.name),
+                                        "skip": load.profile_skip, "steps": load.profile_steps}  # fmt: skip
         return {
             "port": port,
             "loads": loads,
@@ -531,6 +565,7 @@ class Benchmark:
             "servers_per_side_measured": {n: sum(1 for s in servers if s["side"] == n and s.get("loads")) for n in sides},
             "loads": report.summarize(report.read_results(self.results_dir), sides, a.layers, prefix_cache, compiles),
             "probe": self.probe_summary() if a.probe else None,
+            "step_profile": step_profile.compare_sides(servers) if self.profiled else None,
             "problems": [],
             "measured_times": self.measured.to_json(),
             "skipped": self.skipped,
@@ -544,6 +579,7 @@ class Benchmark:
         log(out["plot"])
         base.with_suffix(".json").write_text(json.dumps(out, indent=1, default=str))
         markdown = report.markdown(out) + (probe.markdown(out["probe"]) if out["probe"] else "")
+        markdown += step_profile.markdown(out["step_profile"]) if out["step_profile"] else ""
         base.with_suffix(".md").write_text(markdown)
         # The raw material beside the report: vLLM's own result files, server and client logs.
         raw = a.out / f"serving_{a.tag}_raw"
@@ -568,10 +604,12 @@ def attribute_kernel_compiles(loads: list[dict], server_log: Path) -> None:
 
 
 def probe_profiler_config(directory: Path) -> dict:
-    """benchmarks/e2e/vllm_engine.py's torch-profiler settings, for the server's /start_profile."""
+    """benchmarks/e2e/vllm_engine.py's torch-profiler settings, for the server's /start_profile; the
+    workers only: the API server's own profiler would record the whole session, the client's requests
+    included, in the process that serves them (vLLM: needed with per-session step bounds)."""
     from benchmarks.e2e import vllm_engine  # imports no vLLM
 
-    return vllm_engine.profiler_config(str(directory))
+    return {**vllm_engine.profiler_config(str(directory)), "ignore_frontend": True}
 
 
 def _json_field(path: Path, name: str):

@@ -8,7 +8,8 @@ one line per rank of ``--tensor-parallel-size``. FAKE_SERVE_DELAY_S delays /heal
 The probe's routes (benchmarks/serving/probe.py) as vLLM's dev mode and profiler answer them:
 ``/collective_rpc`` (one result per rank), ``/v1/completions`` (greedy tokens and logprobs, a function
 of the prompt; FAKE_SERVE_SKEW=1 shifts the plugin side's last logprob, a plugin that changes rounding),
-``/start_profile`` and ``/stop_profile`` (a small trace per rank into --profiler-config's directory).
+``/start_profile`` and ``/stop_profile`` (a small trace per rank into --profiler-config's directory; the
+start's body beside it as ``<prefix>.start.json``, for the tests of step_profile.py's sessions).
 """
 
 import gzip
@@ -82,6 +83,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
             answer = completion(body)
         elif self.path == "/start_profile":
             profile["prefix"], answer = body.get("profile_prefix"), None
+            directory = Path(json.loads(sys.argv[sys.argv.index("--profiler-config") + 1])["torch_profiler_dir"])
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / f"{profile['prefix']}.start.json").write_text(json.dumps(body))
         elif self.path == "/stop_profile":
             write_traces()
             answer = None

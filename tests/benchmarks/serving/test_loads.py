@@ -57,10 +57,26 @@ def test_a_second_warm_up_takes_the_saturating_loads_mix_before_it():
 @pytest.mark.parametrize("text", ["nosuch", "name=x,in=64,out=8,rate=4", "name=x,in=64,out=8,rate=4,prompts=0",
                                   "name=x,in=64,out=8,rate=0,prompts=4", "name=a/b,in=1,out=1,rate=1,prompts=1",
                                   "name=x,in=64,out=8,rate=4,prompts=4,colour=red", "name=x,in64",
-                                  "name=x,in=64,out=8,rate=4,prompts=4,range=1", "name=x,in=64,out=8,rate=4,prompts=4,range=-0.1"])  # fmt: skip
+                                  "name=x,in=64,out=8,rate=4,prompts=4,range=1", "name=x,in=64,out=8,rate=4,prompts=4,range=-0.1",
+                                  "name=x,in=64,out=8,rate=4,prompts=4,skip=5", "name=x,in=64,out=8,rate=4,prompts=4,profile=-1",
+                                  "name=x,in=64,out=8,rate=4,prompts=4,profile=9,skip=-1"])  # fmt: skip
 def test_bad_loads_are_refused(text):
     with pytest.raises(ValueError):
         parse_load(text)
+
+
+def test_a_profiled_load_is_never_reported():
+    """Its latencies are the profiler's as much as the server's: a profiled load is not measured, whatever the
+    spec says; ``profile16`` is rate16's mix, recorded after its ramp-up, and not among the defaults."""
+    load = parse_load("name=p,in=64,out=8,rate=4,prompts=6,profile=20,skip=3")
+    assert (load.profile_steps, load.profile_skip, load.measured) == (20, 3, False)
+    assert parse_load("name=p,in=64,out=8,rate=4,prompts=6,profile=20,warmup=0").measured is False
+    assert parse_load("name=p,in=64,out=8,rate=4,prompts=6").profile_steps == 0
+    p16, r16 = PRESETS["profile16"], PRESETS["rate16"]
+    assert (p16.input_len, p16.output_len, p16.request_rate) == (r16.input_len, r16.output_len, r16.request_rate)
+    assert not p16.measured and p16.profile_steps > 0 and p16.profile_skip > 0 and "profile16" not in DEFAULT_LOADS
+    assert "profiled: engine steps 50-200" in p16.describe()
+    assert [ld.name for ld in parse_loads(["warmup", "profile16"])] == ["warmup", "profile16"]  # nothing else needed
 
 
 def test_load_lists():

@@ -44,6 +44,11 @@ def test_load_estimates():
     m.add_load(rate, 40, 7.0)
     assert _estimator(m).load_s(rate, 40) == 7.0 + P.LOAD_OVERHEAD_S
     assert _estimator(m).load_s(rate, 20) == e.load_s(rate, 20)  # measured at another prompt count
+    # A profiled load: the trace export and the driver's reading of it on top; measured, only the reading.
+    profiled = Load("p", 1000, 100, 4.0, prompts=40, measured=False, profile_steps=10)
+    assert e.load_s(profiled, 40) == pytest.approx(e.load_s(rate, 40) + P.PROFILED_LOAD_S)
+    m.add_load(profiled, 40, 9.0)
+    assert _estimator(m).load_s(profiled, 40) == 9.0 + P.LOAD_OVERHEAD_S + P.PROFILED_LOAD_S / 2
 
 
 def test_measured_round_trips_through_json():

@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 LOADS = ["name=warm,in=16,out=2,rate=inf,prompts=2,warmup=1", "name=burst,in=64,out=8,rate=inf,concurrency=4,prompts=6",
-         "name=paced,in=32,out=6,rate=8,prompts=4"]  # fmt: skip
+         "name=paced,in=32,out=6,rate=8,prompts=4", "name=prof,in=32,out=8,rate=inf,concurrency=2,prompts=4,profile=6,skip=2"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_both_sides_ran_and_were_what_they_say(smoke):
     assert on["plugin_origin"]["package"] == str(run.REPO / "vllm_mla_fusion" / "__init__.py")
     assert data["servers_per_side_measured"] == {"on": 1, "off": 1}
     for server in data["servers"]:
-        assert [ld["load"] for ld in server["loads"]] == ["warm", "burst", "paced"]
+        assert [ld["load"] for ld in server["loads"]] == ["warm", "burst", "paced", "prof"]
         assert all("prefix_cache" in ld and "error" not in ld for ld in server["loads"])
         # vLLM took --jit-monitor-verbose, and each load's stretch of the server log was read for compiles
         assert all(isinstance(ld["kernel_compiles"], list) for ld in server["loads"])
@@ -85,3 +85,22 @@ def test_the_probe_redrew_the_weights_and_on_equals_off(smoke):
     assert c["equal"] and c["degenerate"] is None, c
     assert (out / "serving_tiny_raw" / "results" / "probe-00-on.json").is_file()
     assert "on vs off: equal" in (out / "serving_tiny.md").read_text()
+
+
+def test_the_profiled_load_recorded_its_steps_through_vllms_own_routes(smoke):
+    """step_profile.py's session against vLLM's server: /start_profile's prefix and step bounds reached the
+    worker, which stopped by itself after its steps; the driver read rank 0's trace into the report (a CPU has
+    no GPU kernels: step kinds and host spans only). The profiled load's latencies are not reported."""
+    _, out, data = smoke
+    assert "prof" not in data["loads"]
+    profiles = data["step_profile"]["prof"]["servers"]
+    assert [(p["server"], p["side"]) for p in profiles] == [(0, "on"), (1, "off")]
+    for p in profiles:
+        assert "error" not in p, p
+        assert p["trace"].startswith(f"load-{p['server']:02d}-{p['side']}-prof_")
+        # skip=2, steps=6: vLLM records at most 7 (it stops after the step past the bound).
+        assert 2 <= p["steps"] <= 7, p["steps"]
+        assert sum(k["steps"] for k in p["kinds"].values()) >= 1
+        assert all(k["host_us_p50"] > 0 for k in p["kinds"].values())
+    assert (out / "serving_tiny_raw" / "results" / "step-profile-00-on-prof.json").is_file()
+    assert "profiled load `prof`" in (out / "serving_tiny.md").read_text()
