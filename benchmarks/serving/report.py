@@ -119,6 +119,13 @@ def _cell(summary: dict | None, fmt: str) -> str:
     return text
 
 
+def _prompts_sent(load: dict) -> str:
+    """What the servers were sent, where --prompts-scale (or the plan) made it other than the preset's count."""
+    sent = sorted({srv["num_prompts"] for side in load["sides"].values() for srv in side["servers"]
+                   if srv.get("num_prompts") is not None})  # fmt: skip
+    return f" (sent: {', '.join(map(str, sent))} prompts per server)" if sent else ""
+
+
 def markdown(report: dict) -> str:
     cfg = report["config"]
     lines = [
@@ -135,7 +142,7 @@ def markdown(report: dict) -> str:
     for name, load in report["loads"].items():
         sides = [s for s in cfg["sides"] if s in load["sides"]]
         pairs = load["comparisons"]
-        lines += ["", f"## {name}: {report['config']['loads'].get(name, '')}", ""]
+        lines += ["", f"## {name}: {report['config']['loads'].get(name, '')}{_prompts_sent(load)}", ""]
         header = ["metric", *sides, *[f"{c['side']} / {c['against']}" for c in pairs]]
         if cfg["layers"] != FULL_DEPTH:
             header += [f"{c['side']} - {c['against']} at 61 layers" for c in pairs]

@@ -137,6 +137,11 @@ def test_markdown_table_has_a_row_per_metric_and_the_spread(write_results):
     assert row == "| TTFT p50 (ms) | 125.0 [120.0-130.0] | 105.0 [100.0-110.0] | 1.190 |"
     assert sum(line.startswith("| ") for line in md.split("## saturate")[0].splitlines()) == 1 + len(report.METRICS)
     assert "server 4 (on): budget" in md
+    # The heading says what was sent, not only the preset: --prompts-scale 0.6 sent 60 of rate4's 100.
+    assert "## rate4: 1024 in / 128 out, 4 req/s, 100 prompts (sent: 100 prompts per server)" in md
+    scaled = [dict(r, num_prompts=60) if r["load"] == "rate4" else r for r in _two_per_side()]
+    loads = report.summarize(report.read_results(write_results(scaled)), ["on", "off"], layers=61)
+    assert "100 prompts (sent: 60 prompts per server)" in report.markdown(_report(loads))
 
 
 def test_markdown_of_a_shorter_model_has_the_scaled_column(write_results):
