@@ -120,7 +120,8 @@ def _cell(summary: dict | None, fmt: str) -> str:
 
 
 def _prompts_sent(load: dict) -> str:
-    """What the servers were sent, where --prompts-scale (or the plan) made it other than the preset's count."""
+    """The prompts each server was sent (vLLM's ``num_prompts``): --prompts-scale, or the plan, can make
+    them fewer than the load's description says."""
     sent = sorted({srv["num_prompts"] for side in load["sides"].values() for srv in side["servers"]
                    if srv.get("num_prompts") is not None})  # fmt: skip
     return f" (sent: {', '.join(map(str, sent))} prompts per server)" if sent else ""

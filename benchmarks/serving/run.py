@@ -48,6 +48,7 @@ CPU_SERVER_ARGS = [*GPU_SERVER_ARGS, "--dtype", "float32", "--enforce-eager", "-
                    "--kv-cache-memory-bytes", str(64 << 20), "--attention-backend", "CPU_MLA"]  # fmt: skip
 
 
+# Load fields added after runs were kept: run_key leaves them out where unset, so those runs resume.
 LATER_LOAD_FIELDS = ("range_ratio", "profile_steps", "profile_skip")
 
 
@@ -212,7 +213,7 @@ class Benchmark:
         if a.probe:
             options += ["--worker-extension-cls", probe.WORKER_EXTENSION]
         if a.probe or self.profiled:  # the /start_profile and /stop_profile routes
-            options += ["--profiler-config", json.dumps(probe_profiler_config(self.trace_dir()))]
+            options += ["--profiler-config", json.dumps(server_profiler_config(self.trace_dir()))]
         options += [w for arg in a.server_arg for w in shlex.split(arg)]
         if a.server_launcher:
             launcher = shlex.split(a.server_launcher)
@@ -603,7 +604,7 @@ def attribute_kernel_compiles(loads: list[dict], server_log: Path) -> None:
             entry["kernel_compiles"] = kernel_compiles(text[span[0] : span[1]].decode(errors="replace"))
 
 
-def probe_profiler_config(directory: Path) -> dict:
+def server_profiler_config(directory: Path) -> dict:
     """benchmarks/e2e/vllm_engine.py's torch-profiler settings, for the server's /start_profile; the
     workers only: the API server's own profiler would record the whole session, the client's requests
     included, in the process that serves them (vLLM: needed with per-session step bounds)."""

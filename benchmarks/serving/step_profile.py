@@ -20,7 +20,8 @@ successor:
 
 A profiled load's own latency figures are not reported: the profiler records every host op and
 slows both sides (unequally, where one side has fewer ops), so the comparison here is of where
-time goes, not of how long requests took. The measured loads run before it, unprofiled.
+time goes, not of how long requests took. Name it after the measured loads, which then run
+unprofiled before it (the export stalls the engine).
 
 No torch or vLLM needed (the CPU tests feed synthetic traces).
 """
