@@ -28,11 +28,11 @@ No torch or vLLM needed (the CPU tests feed synthetic traces).
 
 from __future__ import annotations
 
-import json
 import statistics
-import urllib.request
 
 from benchmarks.e2e import vllm_trace
+
+from . import probe  # post(): the server's routes, as the probe calls them
 
 KINDS = ("decode", "mixed", "prefill")
 TOP_HOST_CHILDREN = 6
@@ -44,23 +44,15 @@ def prefix(index: int, slug: str, load: str) -> str:
     return f"load-{index:02d}-{slug}-{load}"
 
 
-def _post(port: int, path: str, body: dict | None, timeout_s: float = 300.0) -> None:
-    data = json.dumps(body).encode() if body is not None else b""
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method="POST",
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        r.read()
-
-
 def start(port: int, session: dict) -> None:
     """One profiling session of the server's workers: ``session`` is the client spec's ``profile``."""
-    _post(port, "/start_profile", {"profile_prefix": session["prefix"], "delay_iterations": session["skip"],
+    probe.post(port, "/start_profile", {"profile_prefix": session["prefix"], "delay_iterations": session["skip"],
                                    "max_iterations": session["steps"]})  # fmt: skip
 
 
 def stop(port: int) -> None:
     """Ends the session where its steps did not (a load shorter than skip + steps); a no-op otherwise."""
-    _post(port, "/stop_profile", None)
+    probe.post(port, "/stop_profile", None)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -128,12 +120,12 @@ def compare_sides(servers: list[dict], reference: str = "off") -> dict:
         sides = list(dict.fromkeys(p["side"] for p in good))
         if reference not in sides:
             continue
+        ref = [p for p in good if p["side"] == reference]
         for side in sides:
             if side == reference:
                 continue
+            mine = [p for p in good if p["side"] == side]
             for kind in KINDS:
-                mine = [p for p in good if p["side"] == side]
-                ref = [p for p in good if p["side"] == reference]
                 if any(kind in p["kinds"] for p in mine) and any(kind in p["kinds"] for p in ref):
                     diff = vllm_trace.kernel_diff(_pooled_table(mine, kind), _pooled_table(ref, kind))
                     load["diff"].setdefault(f"{side} vs {reference}", {})[kind] = diff
