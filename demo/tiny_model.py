@@ -178,9 +178,11 @@ def write(path: str | os.PathLike, weights: bool = True, seed: int = 0, **overri
 
 def save_tokenizer(path: Path, tok, config: dict) -> None:
     """``tok`` (a ``tokenizers.Tokenizer`` with BOS and EOS) as transformers' fast tokenizer, and the
-    generation config, beside the model's config.json."""
-    if tok.get_vocab_size() != config["vocab_size"]:
-        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} entries, the model {config['vocab_size']}")
+    generation config, beside the model's config.json. A tokenizer smaller than the model's vocabulary
+    uses some of its ids (the serving benchmark's small-vocabulary configurations); a larger one would
+    produce ids past the embedding."""
+    if tok.get_vocab_size() > config["vocab_size"]:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} entries, the model only {config['vocab_size']}")
     assert (tok.token_to_id(BOS), tok.token_to_id(EOS)) == (config["bos_token_id"], config["eos_token_id"])
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({

@@ -50,10 +50,11 @@ class Load:
 
     def bench_args(self, *, served_model: str, tokenizer: str, port: int, seed: int, prompts: int,
                    result_dir: str, result_filename: str, metadata: dict[str, object],
-                   extra: tuple[str, ...] = ()) -> list[str]:  # fmt: skip
-        """The arguments of ``vllm bench serve`` for this load against the server on ``port``."""
+                   extra: tuple[str, ...] = (), backend: str = "openai") -> list[str]:  # fmt: skip
+        """The arguments of ``vllm bench serve`` for this load against the server on ``port``
+        (``backend``: its request function, configs.Configuration.client_backend)."""
         args = [
-            "--backend", "openai", "--host", "127.0.0.1", "--port", str(port),
+            "--backend", backend, "--host", "127.0.0.1", "--port", str(port),
             "--model", served_model, "--tokenizer", tokenizer,
             "--dataset-name", "random", "--random-input-len", str(self.input_len),
             "--random-output-len", str(self.output_len), "--num-prompts", str(prompts),
@@ -100,6 +101,7 @@ PRESETS: dict[str, Load] = {
     for load in (
         Load("warmup", 2048, 64, math.inf, prompts=48, max_concurrency=16, measured=False, range_ratio=0.9),
         Load("warmup_decode", 512, 64, math.inf, prompts=128, max_concurrency=64, measured=False, range_ratio=0.5),
+        Load("warm1k", 1024, 128, math.inf, prompts=20, measured=False),
         Load("rate4", 1024, 128, 4.0, prompts=100),
         Load("rate16", 1024, 128, 16.0, prompts=200),
         Load("saturate", 512, 256, math.inf, prompts=256, max_concurrency=64),
@@ -108,7 +110,7 @@ PRESETS: dict[str, Load] = {
         Load("profile16", 1024, 128, 16.0, prompts=80, measured=False, profile_steps=150, profile_skip=50),
     )
 }
-# short32 and profile16 are not among the defaults (the issue's loads): name them (--loads) where
+# short32, profile16 and warm1k are not among the defaults (the issue's loads): name them (--loads) where
 # piecewise-graph steps, or where the time goes, are the question.
 DEFAULT_LOADS = ("warmup", "warmup_decode", "rate4", "rate16", "saturate", "prefill")
 

@@ -221,12 +221,16 @@ def build_tokenizer(vocab_size: int):
     return tok
 
 
-def write_model_dir(path: str | os.PathLike, config: dict) -> Path:
-    """config.json, tokenizer and generation config for ``vllm serve --load-format dummy``."""
+def write_model_dir(path: str | os.PathLike, config: dict, tokenizer_vocab: int | None = None) -> Path:
+    """config.json, tokenizer and generation config for ``vllm serve --load-format dummy``; the tokenizer
+    has ``tokenizer_vocab`` words (default: the model's whole vocabulary)."""
     from demo.tiny_model import save_tokenizer
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=1))
-    save_tokenizer(path, build_tokenizer(config["vocab_size"]), config)
+    if tokenizer_vocab is not None and not 2 < tokenizer_vocab <= config["vocab_size"]:
+        raise ValueError(f"tokenizer_vocab {tokenizer_vocab}: more than BOS and EOS, at most the model's "
+                         f"{config['vocab_size']}")  # fmt: skip
+    save_tokenizer(path, build_tokenizer(tokenizer_vocab or config["vocab_size"]), config)
     return path

@@ -127,6 +127,18 @@ def _prompts_sent(load: dict) -> str:
     return f" (sent: {', '.join(map(str, sent))} prompts per server)" if sent else ""
 
 
+def _configuration_lines(cfg: dict) -> list[str]:
+    """The serving configuration (configs.py) and the whole server command line: a result holds for these."""
+    conf = cfg.get("configuration")
+    if not conf:  # a report written before configurations were named
+        return []
+    lines = ["", f"**Configuration `{conf['name']}`**: {conf['description']}.", ""]
+    lines += [f"- {key}: `{value}`" if key.startswith("vllm") else f"- {key}: {value}"
+              for key, value in conf.items() if key not in ("name", "description") and value not in (None, [], "")]
+    lines.append(f"- server command: `{cfg['server_command']}`")
+    return lines
+
+
 def markdown(report: dict) -> str:
     cfg = report["config"]
     lines = [
@@ -136,6 +148,7 @@ def markdown(report: dict) -> str:
         + ", ".join(f"`{s}`" for s in cfg["sides"]) + f"; {report['servers_measured']} server(s) measured. "
         "Each cell: the median over the side's servers [min-max over servers].",
     ]  # fmt: skip
+    lines += _configuration_lines(cfg)
     if cfg["layers"] != FULL_DEPTH:
         lines.append(f"\n**{cfg['layers']} of DeepSeek-V3's 61 layers**: the deltas scaled by 61/{cfg['layers']} "
                      "(a per-layer change; start-up, sampling and the API server do not scale) are in the JSON "

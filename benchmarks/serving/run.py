@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 from .. import provenance
-from . import models, probe, report, step_profile
-from .loads import DEFAULT_LOADS, parse_loads, scaled_prompts
+from . import configs, models, probe, report, step_profile
+from .loads import parse_loads, scaled_prompts
 from .plan import MIN_SCALE, PROBE_S, SPEEDS, TEARDOWN_S, Estimator, Measured, plan
 from .server import PortTaken, Server, ServerFailed, ServerSpec, confirm_side, kernel_compiles, notable_lines
 from .sides import Side, parse_sides, server_order
@@ -70,8 +70,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="off, on, on@PATH (another checkout's plugin), on+NAME=VALUE (a plugin switch set, e.g. "
                     "on+VLLM_MLA_FUSION_DECODE=0); the first round starts in this order")
     ap.add_argument("--servers-per-side", type=int, default=2, help="servers per side over the whole (resumed) run")
-    ap.add_argument("--loads", nargs="+", default=list(DEFAULT_LOADS),
-                    help="preset names (loads.PRESETS) or name=N,in=N,out=N,rate=R[,concurrency=C],prompts=N")
+    ap.add_argument("--config", default=configs.DEFAULT_CONFIGURATION, choices=list(configs.CONFIGURATIONS),
+                    help="the serving configuration (configs.py): server options, tokenizer, client backend, "
+                    "default loads")
+    ap.add_argument("--loads", nargs="+", default=None,
+                    help="preset names (loads.PRESETS) or name=N,in=N,out=N,rate=R[,concurrency=C],prompts=N "
+                    "(default: the configuration's)")
     ap.add_argument("--prompts-scale", type=float, default=1.0, help="every load's prompts x this (the plan may lower it)")
     ap.add_argument("--budget-s", type=float, default=540.0, help="wall seconds for this call, report included")
     ap.add_argument("--out", type=Path, required=True, help="report: serving_<tag>.json/.md/.png and raw/")
@@ -88,8 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--probe", action="store_true",
                     help="before the loads: redraw the dummy weights on every rank, greedy tokens and logprobs "
                     "(compared on vs off), GPU time per decode step from rank 0's profile (probe.py)")
-    ap.add_argument("--max-model-len", type=int, default=8192)
-    ap.add_argument("--server-arg", action="append", default=[], help="more `vllm serve` options (shell words)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: the configuration's")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="more `vllm serve` options (shell words), after the configuration's")
     ap.add_argument("--bench-arg", action="append", default=[], help="more `vllm bench serve` options (shell words)")
     ap.add_argument("--seed", type=int, default=0, help="the random dataset's seed of the first load (+1 per load)")
     ap.add_argument("--start-timeout-s", type=float, default=None,
@@ -98,6 +103,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.configuration = configs.CONFIGURATIONS[args.config]
+    if args.loads is None:
+        args.loads = list(args.configuration.loads)
+    if args.max_model_len is None:
+        args.max_model_len = args.configuration.max_model_len
     try:
         args.side_list = parse_sides(args.sides)
         args.load_list = parse_loads(args.loads)
@@ -118,6 +128,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.tag:
         full = args.model == "tiny" or args.layers == models.FULL_DEPTH
         args.tag = args.model if full else f"{args.model}{args.layers}"
+        if args.config != configs.DEFAULT_CONFIGURATION:
+            args.tag += f"-{args.config}"
     return args
 
 
@@ -141,6 +153,10 @@ def run_key(args, config: dict) -> str:
         same["tensor_parallel_size"] = args.tensor_parallel_size
     if args.probe:
         same["probe"] = True
+    if args.config != configs.DEFAULT_CONFIGURATION:
+        same["configuration"] = args.config  # its server options and max_model_len are in `same` already
+        same["tokenizer_vocab"] = args.configuration.tokenizer_vocab
+        same["client_backend"] = args.configuration.client_backend
     return hashlib.sha256(json.dumps(same, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -157,7 +173,10 @@ class Benchmark:
         if args.tensor_parallel_size > 1:  # compiled graphs differ by rank shape: a cache of their own
             self.model_tag += f"-tp{args.tensor_parallel_size}"
         self.work = args.work_dir / "runs" / f"{args.tag}-{self.key[:8]}"
-        self.model_dir = args.work_dir / f"model-{self.model_tag}"
+        # The model directory holds the tokenizer, whose size is the configuration's; compile caches
+        # (by model_tag) are shared: vLLM keys its artifacts by the whole engine configuration.
+        vocab = args.configuration.tokenizer_vocab
+        self.model_dir = args.work_dir / (f"model-{self.model_tag}" + (f"-tok{vocab}" if vocab else ""))
         self.results_dir, self.logs_dir = self.work / "results", self.work / "logs"
         self.state = self._load_state()
         self.measured = Measured.from_json(self.state.get("measured"))
@@ -203,11 +222,13 @@ class Benchmark:
         # -P: the working directory is not put first on sys.path, so a server finds vllm_mla_fusion where
         # its side's PYTHONPATH says (on@PATH first), never a copy that happens to sit in the cwd.
         if a.cpu:
-            launcher, options = [sys.executable, "-P", "-m", "demo.serve"], list(CPU_SERVER_ARGS)
+            # The configuration's options first: the CPU platform's limits (CPU_SERVER_ARGS) win.
+            launcher, options = [sys.executable, "-P", "-m", "demo.serve"], [*a.configuration.server_args,
+                                                                            *CPU_SERVER_ARGS]  # fmt: skip
             options += ["--max-model-len", str(min(a.max_model_len, self.config["max_position_embeddings"]))]
         else:
             launcher = [sys.executable, "-P", "-m", "vllm.entrypoints.cli.main", "serve"]  # `vllm serve`
-            options = [*GPU_SERVER_ARGS, "--max-model-len", str(a.max_model_len)]
+            options = [*GPU_SERVER_ARGS, *a.configuration.server_args, "--max-model-len", str(a.max_model_len)]
         if a.tensor_parallel_size > 1:
             options += ["--tensor-parallel-size", str(a.tensor_parallel_size)]
         if a.probe:
@@ -274,7 +295,7 @@ class Benchmark:
             d.mkdir(parents=True, exist_ok=True)
         config_file = self.model_dir / "config.json"
         if not config_file.is_file() or json.loads(config_file.read_text()) != self.config:
-            models.write_model_dir(self.model_dir, self.config)
+            models.write_model_dir(self.model_dir, self.config, a.configuration.tokenizer_vocab)
         log(f"model: {self._model_description()}")
         done = len(self.state["servers"])
         queue = server_order(a.side_list, a.servers_per_side, first=done)
@@ -451,6 +472,7 @@ class Benchmark:
                 prompts=prompts, result_dir=str(self.results_dir if load.measured else self.work / "warmup"),
                 result_filename=f"{name}.json", metadata=metadata,
                 extra=tuple(w for arg in a.bench_arg for w in shlex.split(arg)),
+                backend=a.configuration.client_backend,
             )  # fmt: skip
             loads.append({"name": load.name, "prompts": prompts, "args": args,
                           "estimate_s": self.estimator.load_s(load, prompts)})  # fmt: skip
@@ -556,7 +578,10 @@ class Benchmark:
                 "model_config": self.config, "sides": sides, "servers_per_side": a.servers_per_side,
                 "loads": {ld.name: ld.describe() for ld in a.load_list if ld.measured},
                 "server_command": shlex.join([*self.server_spec().launcher, "MODEL", *self.server_spec().args]),
-                "server_summary": "CPU platform, demo.serve" if a.cpu else "vLLM defaults, dummy weights",
+                "server_summary": "CPU platform, demo.serve" if a.cpu else "dummy weights",
+                "configuration": {"name": a.config, "description": a.configuration.description,
+                                  **a.configuration.settings(), "max_model_len": a.max_model_len,
+                                  "more server options": a.server_arg},
                 "bench_args": a.bench_arg, "seed": a.seed, "budget_s": a.budget_s,
             },
             "environment": _environment(),

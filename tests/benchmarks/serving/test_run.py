@@ -282,3 +282,46 @@ def test_each_load_gets_the_kernels_its_server_compiled_during_it(tmp_path):
     assert loads[1]["kernel_compiles"] == []
     assert "kernel_compiles" not in loads[2]
     assert "--jit-monitor-verbose" in run.GPU_SERVER_ARGS  # else vLLM logs each kernel's first compile only
+
+
+def test_a_configuration_sets_the_server_options_tokenizer_client_and_loads(tmp_path, capsys):
+    """Issue 40: "seqs128" is the independent check's set-up, named; the default stays vLLM's defaults."""
+    a = run.parse_args(["--out", str(tmp_path), "--config", "seqs128", "--layers", "4",
+                        "--server-arg", "--kv-cache-dtype fp8"])  # fmt: skip
+    assert a.tag == "dense4-seqs128" and a.max_model_len == 4096
+    assert [ld.name for ld in a.load_list] == ["warm1k", "rate16", "saturate"]
+    assert not a.load_list[0].measured and (a.load_list[0].input_len, a.load_list[0].prompts) == (1024, 20)
+    bench = run.Benchmark(a)
+    # The configuration's options, then the command line's: both reach the server.
+    assert bench.server_spec().args == [*run.GPU_SERVER_ARGS, "--max-num-seqs", "128", "--no-enable-prefix-caching",
+                                        "--max-model-len", "4096", "--kv-cache-dtype", "fp8"]  # fmt: skip
+    assert bench.model_dir.name == "model-dense4-tok512"  # the tokenizer is the configuration's
+    assert bench.cache_dir(a.side_list[0]) == tmp_path / "work" / "compile-cache" / "dense4" / "on"
+    loads = bench.client_spec(0, a.side_list[0], 8000, 1.0)["loads"]
+    assert all(ld["args"][ld["args"].index("--backend") + 1] == "vllm" for ld in loads)
+    # A run of another configuration never resumes into this one.
+    d = run.parse_args(["--out", str(tmp_path), "--layers", "4", "--server-arg", "--kv-cache-dtype fp8",
+                        "--max-model-len", "4096", "--loads", "warm1k", "rate16", "saturate"])  # fmt: skip
+    assert run.run_key(a, run.model_config(a)) != run.run_key(d, run.model_config(d))
+    assert run.main(["--out", str(tmp_path), "--config", "seqs128", "--layers", "4", "--dry-run"]) == 0
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tmp_path / "work" / "model-dense4-tok512" / "tokenizer.json"))
+    assert tok.get_vocab_size() == 512  # the model keeps its whole vocabulary (config.json)
+    config = json.loads((tmp_path / "work" / "model-dense4-tok512" / "config.json").read_text())
+    assert config["vocab_size"] == 129280
+
+
+def test_the_report_states_the_configuration(tmp_path):
+    bench = run.Benchmark(run.parse_args(["--out", str(tmp_path), "--config", "seqs128", "--layers", "4",
+                                          "--no-plot"]))  # fmt: skip
+    for d in (bench.results_dir, bench.logs_dir):
+        d.mkdir(parents=True)
+    out = bench.write_report()
+    conf = out["config"]["configuration"]
+    assert conf["name"] == "seqs128" and conf["max_model_len"] == 4096
+    assert conf["vllm serve"] == "--max-num-seqs 128 --no-enable-prefix-caching --max-model-len 4096"
+    assert conf["tokenizer"] == "512 words" and conf["vllm bench serve --backend"] == "vllm"
+    md = (tmp_path / "serving_dense4-seqs128.md").read_text()
+    assert "**Configuration `seqs128`**" in md and "--no-enable-prefix-caching" in md
+    assert "- server command: `" in md and "--max-num-seqs 128" in md
