@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from vllm_mla_fusion import binding, validation
-from vllm_mla_fusion.binding import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE, BoundOp
+from vllm_mla_fusion.binding import BoundOp
+from vllm_mla_fusion.opcodes import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE
 
 from .conftest import OP_BACKENDS
 from .mla_cases import make_case

@@ -9,7 +9,7 @@ import torch
 from torch.library import opcheck
 
 import vllm_mla_fusion as mla
-from vllm_mla_fusion import dispatch
+from vllm_mla_fusion import dispatch, environment
 
 from .conftest import OP_BACKENDS
 from .mla_cases import make_case
@@ -116,7 +116,7 @@ def test_auto_dispatch_on_cpu_uses_torch(monkeypatch):
 
 @pytest.mark.parametrize("value", [None, "", "0", "1", " Triton ", "caf\u00e9", "\udcff-undecodable"])
 def test_the_fast_environment_read_answers_what_os_environ_answers(monkeypatch, value):
-    """The public ops' per-call read of their switches (dispatch.environment_value) sees every
+    """The public ops' per-call read of their switches (environment.environment_value) sees every
     write through os.environ at once, decodes as os.environ does, and falls back to the mapping
     when os.environ is no CPython _Environ."""
     name = "VLLM_MLA_FUSION_TEST_SWITCH"
@@ -124,13 +124,13 @@ def test_the_fast_environment_read_answers_what_os_environ_answers(monkeypatch, 
         monkeypatch.delenv(name, raising=False)
     else:
         monkeypatch.setenv(name, value)
-    assert dispatch.environment_value(name) == os.environ.get(name) == value
+    assert environment.environment_value(name) == os.environ.get(name) == value
     monkeypatch.setenv(name, "changed")
-    assert dispatch.environment_value(name) == "changed"
+    assert environment.environment_value(name) == "changed"
     monkeypatch.delenv(name)
-    assert dispatch.environment_value(name) is None
+    assert environment.environment_value(name) is None
     monkeypatch.setattr(os, "environ", {name: "from a plain mapping"})
-    assert dispatch.environment_value(name) == "from a plain mapping"
+    assert environment.environment_value(name) == "from a plain mapping"
 
 
 def test_the_public_ops_follow_their_switches_between_calls(monkeypatch):

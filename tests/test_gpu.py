@@ -465,7 +465,8 @@ def test_bound_ops_never_synchronize_with_the_gpu(op):
     that waits for the GPU: under torch's sync debug mode "error" any synchronizing CUDA call
     (a .item(), a host copy, a nonzero) raises. First calls of a layout (validation, Triton's
     compile) are included; every result is then checked against the reference."""
-    from vllm_mla_fusion.binding import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE, BoundOp
+    from vllm_mla_fusion.binding import BoundOp
+    from vllm_mla_fusion.opcodes import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE
 
     kind = dict(decode=op == "decode", prefill=op.startswith("prefill"), nope_dim=128)
     code = {"rope_cache": OP_ROPE_CACHE, "decode": OP_DECODE}.get(op, OP_PREFILL)

@@ -1,5 +1,12 @@
 """Fused RoPE + KV-cache write (and decode-query assembly) for MLA attention.
 
+Imports run one way, each module importing only from the layers below it (bottom first):
+``opcodes``, ``environment`` and ``fp8``, which import nothing of the package; ``validation``;
+the backends (``reference`` and ``triton``, then ``aiter``, which hands the ops AITER does not
+compute to the Triton kernel); ``dispatch``; ``binding``; ``ops``; this module; ``selfcheck``;
+then ``vllm_plugin/``, which nothing else imports. tests/test_layers.py holds the order and
+checks every import against it, those inside functions included.
+
 Public ops (also registered as ``torch.ops.mla_fusion.*``):
 
 - :func:`mla_rope_cache_write`: rotate ``q_pe``/``k_pe`` in place, write

@@ -31,10 +31,7 @@ from typing import Protocol
 import torch
 
 from . import dispatch, validation
-
-OP_ROPE_CACHE, OP_DECODE, OP_PREFILL = 1, 2, 3
-OP_NAMES = {OP_ROPE_CACHE: "mla_rope_cache_write", OP_DECODE: "mla_decode_rope_cache_write",
-            OP_PREFILL: "mla_prefill_rope_cache_write"}  # fmt: skip
+from .opcodes import OP_DECODE, OP_NAMES, OP_PREFILL, OP_ROPE_CACHE
 
 
 class Site(Protocol):

@@ -16,37 +16,16 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 from types import ModuleType
 
 import torch
 
+from .backends import aiter as aiter_backend
+from .backends import reference
+from .environment import env_flag, environment_value
+
 BACKENDS = ("torch", "triton", "aiter")
 ENV_BACKEND = "VLLM_MLA_FUSION_BACKEND"
-
-
-def environment_value(name: str) -> str | None:
-    """``os.environ.get(name)``, at a twentieth of its cost when ``name`` is not set.
-
-    The public ops read two names per call, and usually neither is set. ``os.environ.get``
-    finds a missing name by raising and catching ``KeyError`` inside the mapping: 1.3 us
-    per read on the CPU machine, a tenth of a vLLM C++ op's whole host cost. CPython keeps
-    the environment behind ``os.environ`` in a plain dict (``_data``) that every write
-    through ``os.environ`` updates (what ``monkeypatch.setenv`` and vLLM do); a look-up
-    there answers the same at 0.04 us. Where ``os.environ`` has no such dict (replaced by
-    a plain mapping, another Python), this is ``os.environ.get``.
-    """
-    environ = os.environ
-    data = getattr(environ, "_data", None)
-    if not isinstance(data, dict):
-        return environ.get(name)
-    value = data.get(environ.encodekey(name))
-    return None if value is None else environ.decodevalue(value)
-
-
-def env_flag(name: str) -> bool:
-    """A switch that is on when set to 1, true, yes or on (any case, spaces ignored)."""
-    return (environment_value(name) or "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def triton_interpreting() -> bool:
@@ -96,8 +75,6 @@ def resolve(backend: str | None, device: torch.device, decode: bool, problem=Non
             raise RuntimeError(f"backend 'triton' was requested but cannot run: {reason}")
         return name
     if name == "aiter":
-        from .backends import aiter as aiter_backend
-
         reason = aiter_backend.unavailable_reason(device)
         if reason:
             raise RuntimeError(f"backend 'aiter' was requested but cannot run: {reason}")
@@ -107,26 +84,21 @@ def resolve(backend: str | None, device: torch.device, decode: bool, problem=Non
     if device.type != "cuda":
         return "torch"
     if torch.version.hip is not None and env_flag("VLLM_ROCM_USE_AITER"):
-        from .backends import aiter as aiter_backend
-
         if aiter_backend.unavailable_reason(device) is None and aiter_backend.applies(decode, problem, device):
             return "aiter"
     return "triton"
 
 
 def load(name: str) -> ModuleType:
-    """The backend module; imported on first use so that triton/aiter stay optional."""
+    """The backend module."""
     if name == "torch":
-        from .backends import reference
-
         return reference
     if name == "triton":
+        # Imported on first use: it imports the triton package, which is optional (and slow to import).
         from .backends import triton as triton_backend
 
         return triton_backend
     if name == "aiter":
-        from .backends import aiter as aiter_backend
-
         return aiter_backend
     raise ValueError(f"unknown backend {name!r}")
 
@@ -137,9 +109,6 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     names = ["torch"]
     if _triton_unavailable_reason(device) is None:
         names.insert(0, "triton")
-    if device.type == "cuda":
-        from .backends import aiter as aiter_backend
-
-        if aiter_backend.unavailable_reason(device) is None:
-            names.insert(0, "aiter")
+    if device.type == "cuda" and aiter_backend.unavailable_reason(device) is None:
+        names.insert(0, "aiter")
     return names

@@ -31,7 +31,8 @@ from types import SimpleNamespace
 import torch
 
 from . import dispatch, validation
-from .binding import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE, BoundOp, BoundOps
+from .binding import BoundOp, BoundOps
+from .opcodes import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE
 from .validation import argument_types_ok, check_argument_types
 
 __all__ = ["mla_rope_cache_write", "mla_decode_rope_cache_write", "mla_prefill_rope_cache_write", "eager"]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import fp8
-from .dispatch import environment_value
+from .environment import environment_value
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 

@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     from vllm.model_executor.custom_op import op_registry_oot
 
     from tests.vllm_plugin import harness as H
-    from vllm_mla_fusion import binding, dispatch, validation
+    from vllm_mla_fusion import binding, dispatch, opcodes, validation
     from vllm_mla_fusion import ops as plugin_ops
     from vllm_mla_fusion.backends import reference
     from vllm_mla_fusion.backends import triton as tb
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
               lambda: plugin_ops.eager.mla_prefill_rope_cache_write(*op3_args), 50)  # fmt: skip
         bound_args = (positions, q_pe, k_pe_on, kv_c_normed, cos_sin_cache, slot_mapping, kv_cache, mla_on._k_scale,
                       k_nope_on, k_out, None)  # fmt: skip
-        bound = binding.BoundOp(binding.OP_PREFILL, is_neox=is_neox, kv_cache_dtype=mla_on.kv_cache_dtype,
+        bound = binding.BoundOp(opcodes.OP_PREFILL, is_neox=is_neox, kv_cache_dtype=mla_on.kv_cache_dtype,
                                 backend="torch")  # fmt: skip
         timed("plugin: BoundOp call (torch backend)", lambda: bound(*bound_args), 50)
         (key, (site, name)), = bound.sites.items()
@@ -270,7 +270,7 @@ def main(argv=None) -> int:
         timed("plugin: torch backend prefill_rope_cache_write (CPU compute)", lambda: reference.prefill_rope_cache_write(
             p, positions, q_pe, k_pe_on, kv_c_normed, k_nope_on, cos_sin_cache, is_neox, slot_mapping, kv_cache,
             k_out, mla_on._k_scale), 50)  # fmt: skip
-        site = tb.bind(p, binding.OP_PREFILL, is_neox, True, *bound_args)
+        site = tb.bind(p, opcodes.OP_PREFILL, is_neox, True, *bound_args)
         real_slow = tb.BoundLaunch._launch_through_triton
         tb.BoundLaunch._launch_through_triton = lambda *a: None
         try:

@@ -38,7 +38,8 @@ import triton.language as tl
 import vllm_mla_fusion as mla
 from vllm_mla_fusion import validation
 from vllm_mla_fusion.backends import triton as tb
-from vllm_mla_fusion.binding import OP_DECODE, OP_PREFILL, BoundOp
+from vllm_mla_fusion.binding import BoundOp
+from vllm_mla_fusion.opcodes import OP_DECODE, OP_PREFILL
 from vllm_mla_fusion.ops import eager
 
 L, R, P, V, MAX_POS = 512, 64, 128, 128, 163840

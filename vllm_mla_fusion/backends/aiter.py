@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 
 from .. import fp8
-from ..binding import OP_DECODE
-from ..dispatch import env_flag
+from ..environment import env_flag
+from ..opcodes import OP_DECODE
 from ..validation import Problem
 
 __all__ = [
@@ -707,6 +707,7 @@ class BoundDecode:
 def bind(p: Problem, op: int, is_neox: bool, is_nope_first: bool, *tensors):
     """AITER for op 2 (``BoundDecode``); ops 1 and 3, which AITER's fused op does not compute
     (it leaves q_pe and k_pe unrotated and builds no key), are the Triton kernel's."""
+    # Imported here: dispatch imports this module on every machine, and the triton package is optional.
     from . import triton as triton_backend
 
     fallback = triton_backend.bind(p, op, is_neox, is_nope_first, *tensors)

@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from .. import fp8
-from ..binding import OP_DECODE, OP_ROPE_CACHE
+from ..opcodes import OP_DECODE, OP_ROPE_CACHE
 from ..validation import Problem
 
 

@@ -57,7 +57,8 @@ from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
 from .. import validation
-from ..binding import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE, BoundOps
+from ..binding import BoundOps
+from ..opcodes import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE
 from . import eligibility, prewarm
 from .settings import ENV_PREWARM, env_enabled
 from .custom_ops import write_target

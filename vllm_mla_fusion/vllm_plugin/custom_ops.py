@@ -35,7 +35,8 @@ from vllm.platforms import current_platform
 from vllm.utils.torch_utils import LayerNameType, _resolve_layer_name, direct_register_custom_op
 
 from .. import validation
-from ..binding import OP_ROPE_CACHE, BoundOps
+from ..binding import BoundOps
+from ..opcodes import OP_ROPE_CACHE
 
 NAMESPACE = "mla_fusion_vllm"
 ATTENTION_OP = f"{NAMESPACE}::mla_attention_with_output"

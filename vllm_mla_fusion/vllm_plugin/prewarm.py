@@ -22,7 +22,7 @@ import torch
 
 from .. import fp8
 from ..backends import triton as triton_backend
-from ..binding import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE
+from ..opcodes import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE
 from ..validation import Problem
 
 # (layer signature) -> done; once per process for each distinct set of shapes and dtypes.
