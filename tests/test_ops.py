@@ -371,6 +371,41 @@ def test_prefill_sizes(backend, T, H, is_neox):
     _run_prefill(case, backend)
 
 
+# Power-of-two scales whose reciprocal is a normal float32 skip the residual step (the reciprocal
+# product is then the correctly rounded quotient); the edges of that rule on both sides take it:
+# 2**127 (reciprocal subnormal), subnormal scales, and non-powers of two next to 1, where the bare
+# product stores other codes than the division (1 - 2**-24: ~120 of each format's near-ties).
+EDGE_SCALES = [1.0, 0.5, 2.0**-126, 2.0**126, 2.0**127, 2.0**-127, 1.5 * 2.0**-127, 1 - 2.0**-24, 1 + 2.0**-23]
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=str)
+@pytest.mark.parametrize("scale", EDGE_SCALES, ids=lambda s: f"{s:.9g}")
+def test_power_of_two_scales_and_their_edges_store_the_division(backend, dtype, scale):
+    """The cache's latent part at values whose quotient is on or next to an fp8 rounding boundary
+    (plus zeros, overflows and infinities) is byte-identical to the float64 reference:
+    saturate(x / scale) rounded once to float32 (53 >= 2 * 24 + 2 bits, so the same as torch's
+    float32 division), then to fp8."""
+    special = torch.tensor([0.0, -0.0, 1.0, -3.0, 1e30, -1e30, float("inf"), -float("inf")])
+    x = torch.cat((fp8_near_ties(dtype, scale), special))
+    L, R = 512, 16
+    T = -(-x.numel() // L)
+    kv_c = (torch.empty(T * L).uniform_(-2, 2).double() * scale).float()
+    kv_c[: x.numel()] = x
+    case = make_case(T=T, H=1, L=L, R=R, act_dtype=torch.float32, cache_dtype=dtype, scale=scale, pad_every=0,
+                     seed=17)  # fmt: skip
+    case.kv_c = kv_c.view(T, L)
+    mla.mla_rope_cache_write(*case.rope_args(), backend=backend)
+    slots = case.slot_mapping[:T].long()
+    bs = case.kv_cache.shape[1]
+    got = case.kv_cache[slots // bs, slots % bs][:, :L].reshape(-1).view(torch.uint8)
+    fmax = torch.finfo(dtype).max
+    want = (kv_c.double() / scale).float().clamp(-fmax, fmax).to(dtype).view(torch.uint8)
+    bad = (got != want).nonzero().flatten()
+    assert bad.numel() == 0, (f"{bad.numel()} fp8 codes differ, e.g. x={kv_c[bad[:4]].tolist()} "
+                              f"got {got[bad[:4]].tolist()} want {want[bad[:4]].tolist()}")  # fmt: skip
+
+
 @pytest.mark.parametrize("backend", OP_BACKENDS)
 @pytest.mark.parametrize(
     "cache_dtype,kv_cache_dtype,scale,k_out_dtype,act_dtype",
