@@ -1240,6 +1240,9 @@ def parse_args(argv=None):
                    help="check outputs against the torch reference up to this T (0: never)")  # fmt: skip
     p.add_argument("--copy-bytes", type=int, default=1 << 30, help="size of the bandwidth-probe copy")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fp8-scales", nargs=2, type=float, default=(KV_CACHE_SCALE, Q_SCALE), metavar=("KV", "Q"),
+                   help="kv_cache_scale and q_scale of the fp8 configs (default %(default)s; vLLM's default is 1.0, "
+                   "a power of two, which the kernel's fp8 stores take without the residual step)")  # fmt: skip
     p.add_argument(
         "--time-budget-s",
         type=float,
@@ -1278,7 +1281,9 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    global KV_CACHE_SCALE, Q_SCALE
     args = parse_args(argv)
+    KV_CACHE_SCALE, Q_SCALE = args.fp8_scales
     if args.smoke:
         # Must precede the first import of triton (the interpreter is chosen at kernel definition).
         os.environ["TRITON_INTERPRET"] = "1"
