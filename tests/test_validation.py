@@ -140,8 +140,10 @@ COMMON_BAD = [
     ("cache int16", _set("kv_cache", lambda t: t.view(torch.int16)), TypeError, "kv_cache dtype torch.int16 is not"),
     ("fp8 name on bf16 cache", lambda c: setattr(c, "kv_cache_dtype", "fp8"), ValueError, "does not match kv_cache dtype"),
     ("float name mismatch", lambda c: setattr(c, "kv_cache_dtype", "float16"), ValueError, "'float16' does not match"),
-    ("unknown cache dtype name", lambda c: setattr(c, "kv_cache_dtype", "fp8_ds_mla"), ValueError,
-     "kv_cache_dtype='fp8_ds_mla' is not supported"),
+    ("unknown cache dtype name", lambda c: setattr(c, "kv_cache_dtype", "nvfp4_ds_mla"), ValueError,
+     "kv_cache_dtype='nvfp4_ds_mla' is not supported"),
+    ("fp8_ds_mla on a bf16 cache", lambda c: setattr(c, "kv_cache_dtype", "fp8_ds_mla"), TypeError,
+     "kv_cache must be uint8 storage for kv_cache_dtype='fp8_ds_mla'"),  # the format's own: test_fp8_ds_mla.py
     ("uint8 cache with auto", _set("kv_cache", lambda t: t.view(torch.uint8)[..., : t.shape[-1]]), ValueError,
      "kv_cache is uint8 storage, so kv_cache_dtype must name"),
     ("fp8 name mismatch typed cache", _typed_fp8_cache, ValueError, "'fp8_e5m2' does not match kv_cache dtype"),
@@ -227,8 +229,8 @@ def test_shared_checks_refuse_what_the_dispatcher_would_coerce():
         validation.check_decode_rope_cache_write(*args)
     with pytest.raises(TypeError, match="kv_cache_dtype must be a str"):
         fp8.cache_store_dtype(case.kv_cache, None)
-    with pytest.raises(ValueError, match="'fp8_ds_mla' is not supported"):
-        fp8.cache_store_dtype(case.kv_cache.view(torch.uint8), "fp8_ds_mla")
+    with pytest.raises(ValueError, match="'nvfp4_ds_mla' is not supported"):
+        fp8.cache_store_dtype(case.kv_cache.view(torch.uint8), "nvfp4_ds_mla")
 
 
 def test_bad_backend_name_is_a_value_error(monkeypatch):

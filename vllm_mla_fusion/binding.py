@@ -128,8 +128,11 @@ class BoundOp:
     def validate(self, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale=None,
                  nope=None, out=None, out_scale=None, key_start=0) -> validation.Problem:  # fmt: skip
         """The call's sizes, or the ValueError/TypeError the call would raise (the ops' fakes)."""
-        return self._validate((positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale,
-                               nope, out, out_scale), key_start)  # fmt: skip
+        p = self._validate((positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale,
+                            nope, out, out_scale), key_start)  # fmt: skip
+        if self.backend != "auto":
+            dispatch.check_format(self.backend, p)  # as the call's backend resolution would: at trace time too
+        return p
 
     def backend_of(self, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale=None,
                    nope=None, out=None, out_scale=None) -> str | None:  # fmt: skip

@@ -5,11 +5,14 @@ then automatic choice by device:
 
 - CPU tensors: ``torch`` (the reference).
 - GPU tensors: ``aiter`` on ROCm when ``VLLM_ROCM_USE_AITER=1`` and AITER's
-  fused op is importable and supports the call; ``triton`` otherwise.
+  fused op is importable and supports the call; ``triton`` otherwise; ``torch``
+  for a cache format neither writes (``fp8_ds_mla``, for now: ``PACKED_FORMATS``).
 
 A backend that is asked for by name but cannot run is an error (never a
-silent fallback). ``triton`` runs CPU tensors only in Triton's interpreter
-(``TRITON_INTERPRET=1``), which is how the Triton kernel is tested without a GPU.
+silent fallback), and so is one asked for by name that does not write the
+call's cache format (a ValueError, raised before anything is written).
+``triton`` runs CPU tensors only in Triton's interpreter (``TRITON_INTERPRET=1``),
+which is how the Triton kernel is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -20,12 +23,16 @@ from types import ModuleType
 
 import torch
 
+from . import fp8
 from .backends import aiter as aiter_backend
 from .backends import reference
 from .environment import env_flag, environment_value
 
 BACKENDS = ("torch", "triton", "aiter")
 ENV_BACKEND = "VLLM_MLA_FUSION_BACKEND"
+# The packed cache formats (validation.Problem.cache_format) each backend writes; every backend
+# writes the plain [L + R] rows. The Triton kernel and AITER do not write fp8_ds_mla yet (issue 42).
+PACKED_FORMATS = {"torch": (fp8.FP8_DS_MLA,), "triton": (), "aiter": ()}
 
 
 def triton_interpreting() -> bool:
@@ -59,12 +66,27 @@ def _triton_unavailable_reason(device: torch.device) -> str | None:
     return f"Triton does not run on {device.type} tensors"
 
 
+def writes_format(name: str, problem=None) -> bool:
+    """Whether backend ``name`` writes the cache format of ``problem`` (a validation.Problem; None: plain rows)."""
+    packed = getattr(problem, "cache_format", None)
+    return packed is None or packed in PACKED_FORMATS[name]
+
+
+def check_format(name: str, problem) -> None:
+    """A ValueError if backend ``name`` does not write ``problem``'s cache format."""
+    if not writes_format(name, problem):
+        writers = [b for b in BACKENDS if writes_format(b, problem)]
+        raise ValueError(f"backend {name!r} does not write kv_cache_dtype={problem.cache_format!r}; "
+                         f"only {writers} do")  # fmt: skip
+
+
 def resolve(backend: str | None, device: torch.device, decode: bool, problem=None) -> str:
     """Name of the backend that runs a call on ``device``.
 
     ``decode`` says which op is asked for (the AITER HIP op only implements the
     decode op); ``problem`` (a validation.Problem) lets AITER decline shapes it
-    does not handle when the choice is automatic.
+    does not handle when the choice is automatic, and names the cache format,
+    which a backend asked for by name must write (ValueError otherwise).
     """
     name = requested_backend(backend)
     if name == "torch":
@@ -73,15 +95,17 @@ def resolve(backend: str | None, device: torch.device, decode: bool, problem=Non
         reason = _triton_unavailable_reason(device)
         if reason:
             raise RuntimeError(f"backend 'triton' was requested but cannot run: {reason}")
+        check_format(name, problem)
         return name
     if name == "aiter":
         reason = aiter_backend.unavailable_reason(device)
         if reason:
             raise RuntimeError(f"backend 'aiter' was requested but cannot run: {reason}")
+        check_format(name, problem)  # and the Triton kernel it hands the rest to writes the same formats
         # AITER covers some cases only (docs/rocm.md); the rest take our Triton kernel.
         return "aiter" if aiter_backend.applies(decode, problem, device) else "triton"
-    # auto
-    if device.type != "cuda":
+    # auto (a format the GPU backends do not write takes the reference: correct, if slow)
+    if device.type != "cuda" or not writes_format("triton", problem):
         return "torch"
     if torch.version.hip is not None and env_flag("VLLM_ROCM_USE_AITER"):
         if aiter_backend.unavailable_reason(device) is None and aiter_backend.applies(decode, problem, device):

@@ -3,6 +3,12 @@
 vLLM allocates fp8 KV caches as ``torch.uint8`` storage and names the format
 with a string (``kv_cache_dtype``); AITER and Triton want a typed fp8 tensor.
 Everything here is shape/dtype logic on the host: no device work, no sync.
+
+One named format is not rows of one element type: ``fp8_ds_mla`` (sparse MLA,
+DeepSeek-V3.2), whose rows pack the latent as fp8 e4m3 in groups of 128 values,
+one float32 scale per group, then the rotated RoPE part as bf16 (656 bytes for
+L = 512, R = 64). Its constants are here; backends/reference.py defines the bytes,
+and docs/vllm.md ("The fp8_ds_mla cache format") gives vLLM's writer they follow.
 """
 
 from __future__ import annotations
@@ -23,7 +29,19 @@ _FLOAT_NAMES = {
     "float32": torch.float32,
     "float": torch.float32,
 }
+# Formats whose rows are [L + R] elements of one type (the vLLM plugin fuses layers with these).
 KV_CACHE_DTYPES = ("auto", *_E4M3_NAMES, "fp8_e5m2", *_FLOAT_NAMES)
+
+# The packed sparse-MLA format, as vLLM 0.33's writer stores it (docs/vllm.md).
+FP8_DS_MLA = "fp8_ds_mla"
+DS_MLA_GROUP = 128  # latent values sharing one scale
+DS_MLA_FP8 = torch.float8_e4m3fn  # the latent's element type (max 448)
+DS_MLA_MIN_SCALE = 1e-4  # vLLM floors amax / 448 here before rounding the scale up to a power of two
+
+
+def ds_mla_row_bytes(kv_lora_rank: int, rope_dim: int) -> int:
+    """Bytes of one fp8_ds_mla cache row: the fp8 latent, a float32 scale per group, the bf16 RoPE part."""
+    return kv_lora_rank + 4 * (kv_lora_rank // DS_MLA_GROUP) + 2 * rope_dim
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
@@ -51,16 +69,22 @@ def cache_store_dtype(kv_cache: torch.Tensor, kv_cache_dtype: str) -> torch.dtyp
     Raises ValueError/TypeError naming the argument when the string and the
     tensor disagree (an fp8 string with a bf16 cache, "auto" with uint8
     storage whose format nobody named, e5m2 named for an e4m3 tensor, ...).
+    For ``fp8_ds_mla`` it is the latent's fp8 type (validation.py checks the rest of the row).
     """
     if not isinstance(kv_cache_dtype, str):
         raise TypeError(f"kv_cache_dtype must be a str, got {type(kv_cache_dtype).__name__}")
     name = kv_cache_dtype.lower()
+    dtype = kv_cache.dtype
+    if name == FP8_DS_MLA:
+        if dtype != torch.uint8:
+            raise TypeError(f"kv_cache must be uint8 storage for kv_cache_dtype={kv_cache_dtype!r} (its rows pack "
+                            f"fp8 values, float32 scales and bf16 values), got {dtype}")  # fmt: skip
+        return DS_MLA_FP8
     if name not in KV_CACHE_DTYPES:
         raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} is not supported; expected one of {KV_CACHE_DTYPES} "
-            "(fp8_ds_mla and other sparse-MLA layouts are not handled by this op)"
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported; expected one of {(*KV_CACHE_DTYPES, FP8_DS_MLA)} "
+            "(nvfp4_ds_mla and other packed layouts are not handled by this op)"
         )
-    dtype = kv_cache.dtype
     if dtype == torch.uint8:
         if name in _E4M3_NAMES:
             return platform_fp8_e4m3(kv_cache.device)

@@ -210,10 +210,16 @@ def mla_rope_cache_write(
             the row of each slot in ``[0, num_blocks * block_size)``, nowhere else.
             bf16/fp16/fp32 store the values cast; fp8 (typed, or uint8 storage named
             by ``kv_cache_dtype``) stores ``saturate(x / kv_cache_scale)``.
+            ``"fp8_ds_mla"``: uint8 ``[num_blocks, block_size, L + 4 * L / 128 + 2 * R]``
+            (656 bytes for DeepSeek-V3.2), each row vLLM's sparse-MLA format: ``kv_c`` in
+            groups of 128 as fp8 e4m3fn divided by the group's float32 scale
+            ``2**ceil(log2(max(amax / 448, 1e-4)))``, the scales, then ``rope(k_pe)`` as bf16
+            (docs/vllm.md). Torch backend only for now; bf16 activations, L a multiple of 128.
         kv_cache_dtype: ``"auto"`` (the tensor's dtype), ``"fp8"``/``"fp8_e4m3"``
             (the platform's e4m3: e4m3fnuz on MI300-class GPUs, e4m3fn elsewhere),
-            ``"fp8_e5m2"``, or a float name matching the tensor.
+            ``"fp8_e5m2"``, a float name matching the tensor, or ``"fp8_ds_mla"``.
         kv_cache_scale: float32 one-element tensor, fp8 caches only; None means 1.0.
+            ``fp8_ds_mla`` ignores it (its scales come from the data), as vLLM's writer does.
         backend: ``"torch"``, ``"triton"``, ``"aiter"`` or None/``"auto"``
             (``VLLM_MLA_FUSION_BACKEND``, else chosen by device).
 

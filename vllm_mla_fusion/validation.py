@@ -12,7 +12,7 @@ device, so they are skipped while a CUDA graph is being captured.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,6 +34,9 @@ class Problem:
     q_out_dtype: torch.dtype | None = None  # decode op only
     nope_dim: int | None = None  # P, prefill op only
     k_out_dtype: torch.dtype | None = None  # prefill op only
+    # None: kv_cache rows are [L + R] elements of cache_dtype. fp8.FP8_DS_MLA: packed rows
+    # (fp8.ds_mla_row_bytes), cache_dtype being the latent's fp8 type.
+    cache_format: str | None = None
 
 
 def _require_tensor(name: str, t: object) -> torch.Tensor:
@@ -172,7 +175,10 @@ def _check_common(
         raise ValueError(f"cos_sin_cache last dim must equal rope_dim R={R}, got shape {tuple(cos_sin_cache.shape)}")
     if cos_sin_cache.shape[0] < 1:
         raise ValueError("cos_sin_cache must have at least one position row")
-    if kv_cache.shape[2] != L + R:
+    ds_mla = isinstance(kv_cache_dtype, str) and kv_cache_dtype.lower() == fp8.FP8_DS_MLA
+    if ds_mla:
+        _check_ds_mla(act, L, R, kv_cache, kv_cache_dtype)
+    elif kv_cache.shape[2] != L + R:
         raise ValueError(
             f"kv_cache last dim must be kv_lora_rank + rope_dim = {L} + {R} = {L + R}, got shape {tuple(kv_cache.shape)}"
         )
@@ -192,7 +198,30 @@ def _check_common(
             raise ValueError(f"{name} is on {t.device} but q_pe is on {device}; all tensors must share a device")
     _check_scale("kv_cache_scale", kv_cache_scale, device)
     cache_dtype = fp8.cache_store_dtype(kv_cache, kv_cache_dtype)
-    return Problem(T, H, L, R, cache_dtype)
+    if ds_mla and fp8.platform_fp8_e4m3(device) != fp8.DS_MLA_FP8:
+        # vLLM's writer divides by 224 and stores e4m3fnuz there; the reference writes the e4m3fn format only.
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not implemented on {device}, whose fp8 is "
+                         f"{fp8.platform_fp8_e4m3(device)} (MI300-class GPUs)")  # fmt: skip
+    return Problem(T, H, L, R, cache_dtype, cache_format=fp8.FP8_DS_MLA if ds_mla else None)
+
+
+def _check_ds_mla(act: torch.dtype, L: int, R: int, kv_cache: torch.Tensor, kv_cache_dtype: str) -> None:
+    """The fp8_ds_mla row (fp8.py): uint8 storage, a latent in whole groups, the width the sizes give, bf16 input."""
+    fp8.cache_store_dtype(kv_cache, kv_cache_dtype)  # uint8, or a TypeError naming kv_cache
+    if act != torch.bfloat16:
+        # The row's RoPE part is bf16: vLLM's writer copies k_pe's 16-bit values as they are.
+        raise TypeError(f"kv_c, k_pe and q_pe must be bfloat16 for kv_cache_dtype={kv_cache_dtype!r} (the cache "
+                        f"stores the RoPE part as bf16), got {act}")  # fmt: skip
+    group = fp8.DS_MLA_GROUP
+    if L % group:
+        raise ValueError(f"kv_c's last dimension (kv_lora_rank) must be a multiple of {group} for "
+                         f"kv_cache_dtype={kv_cache_dtype!r} (one scale per {group} values), got {L}")  # fmt: skip
+    width = fp8.ds_mla_row_bytes(L, R)
+    if kv_cache.shape[2] != width:
+        raise ValueError(
+            f"kv_cache last dim must be {L} fp8 + {L // group} float32 scales + {R} bf16 = {width} bytes for "
+            f"kv_cache_dtype={kv_cache_dtype!r}, got shape {tuple(kv_cache.shape)}"
+        )
 
 
 def check_rope_cache_write(
@@ -245,7 +274,7 @@ def check_decode_rope_cache_write(
             raise ValueError(f"{name} is on {t.device} but q_pe is on {q_pe.device}; all tensors must share a device")
     _check_scale("q_scale", q_scale, q_pe.device)
     _debug_check_indices(p, positions, slot_mapping, cos_sin_cache, kv_cache)
-    return Problem(T, H, L, R, p.cache_dtype, q_out.dtype)
+    return replace(p, q_out_dtype=q_out.dtype)
 
 
 def check_prefill_rope_cache_write(
@@ -299,7 +328,7 @@ def check_prefill_rope_cache_write(
         if t.device != q_pe.device:
             raise ValueError(f"{name} is on {t.device} but q_pe is on {q_pe.device}; all tensors must share a device")
     _debug_check_indices(p, positions, slot_mapping, cos_sin_cache, kv_cache)
-    return Problem(T, H, L, R, p.cache_dtype, nope_dim=P, k_out_dtype=k_out.dtype)
+    return replace(p, nope_dim=P, k_out_dtype=k_out.dtype)
 
 
 def debug_enabled() -> bool:

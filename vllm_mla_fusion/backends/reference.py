@@ -46,15 +46,44 @@ def _rotate_and_write_cache(
     cos, sin = cos_sin(positions, cos_sin_cache, p.num_tokens)
     q_rot = rotate(q_pe.float(), cos[:, None], sin[:, None], is_neox)
     k_rot = rotate(k_pe.reshape(p.num_tokens, p.rope_dim).float(), cos, sin, is_neox)
-    cache = fp8.typed_view(kv_cache, p.cache_dtype)
     slots = slot_mapping[: p.num_tokens].long()
-    block_size = cache.shape[1]
+    block_size = kv_cache.shape[1]
     # Padding (< 0) and slots past the cache's capacity write nothing.
-    keep = (slots >= 0) & (slots < cache.shape[0] * block_size)
-    rows = torch.cat((kv_c.reshape(p.num_tokens, p.kv_lora_rank).float(), k_rot), dim=-1)[keep]
+    keep = (slots >= 0) & (slots < kv_cache.shape[0] * block_size)
+    latent = kv_c.reshape(p.num_tokens, p.kv_lora_rank).float()[keep]
     slots = slots[keep]
-    cache[slots // block_size, slots % block_size] = fp8.round_for_store(rows, p.cache_dtype, kv_cache_scale)
+    if p.cache_format == fp8.FP8_DS_MLA:
+        kv_cache[slots // block_size, slots % block_size] = fp8_ds_mla_rows(latent, k_rot[keep])
+    else:
+        cache = fp8.typed_view(kv_cache, p.cache_dtype)
+        rows = torch.cat((latent, k_rot[keep]), dim=-1)
+        cache[slots // block_size, slots % block_size] = fp8.round_for_store(rows, p.cache_dtype, kv_cache_scale)
     return q_rot, k_rot
+
+
+def fp8_ds_mla_scales(amax: torch.Tensor) -> torch.Tensor:
+    """float32 scale of each group from its float32 ``amax``: ``2**ceil(log2(max(amax / 448, 1e-4)))``,
+    as vLLM 0.33's writer computes it (docs/vllm.md). A power of two, so ``x / scale`` is exact."""
+    s = (amax / torch.finfo(fp8.DS_MLA_FP8).max).clamp_min(fp8.DS_MLA_MIN_SCALE)
+    # s = m * 2**e with 0.5 <= m < 1 (exact, unlike a float log2): the ceiling of log2(s) is e,
+    # or e - 1 when s is a power of two (m == 0.5).
+    m, e = torch.frexp(s)
+    scale = torch.ldexp(torch.ones_like(s), e - (m == 0.5).to(e.dtype))
+    return torch.where(s.isinf(), s, scale)  # an infinite amax: exp2f(inf) = inf, as vLLM's
+
+
+def fp8_ds_mla_rows(latent: torch.Tensor, k_rot: torch.Tensor) -> torch.Tensor:
+    """The fp8_ds_mla rows ``uint8 [n, L + 4 L/128 + 2 R]`` of float32 ``latent [n, L]`` and ``k_rot [n, R]``:
+    ``latent / scale`` of each group of 128 as fp8 e4m3fn (saturated, nearest even), the groups' float32
+    scales, ``k_rot`` rounded once to bf16; multi-byte values in the machine's (little-endian) order."""
+    n, L = latent.shape
+    groups = latent.view(n, L // fp8.DS_MLA_GROUP, fp8.DS_MLA_GROUP)
+    # vLLM's reduction (fmaxf) skips NaN: a NaN leaves the rest of its group's values intact.
+    amax = groups.abs().masked_fill(groups.isnan(), 0).amax(dim=-1)
+    scales = fp8_ds_mla_scales(amax)
+    values = fp8.saturate_to_fp8(groups, scales[..., None], fp8.DS_MLA_FP8)
+    parts = (values.view(n, L), scales, k_rot.to(torch.bfloat16))
+    return torch.cat([part.view(torch.uint8) for part in parts], dim=-1)
 
 
 def rope_cache_write(
