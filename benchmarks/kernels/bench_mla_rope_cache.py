@@ -1241,8 +1241,7 @@ def parse_args(argv=None):
     p.add_argument("--copy-bytes", type=int, default=1 << 30, help="size of the bandwidth-probe copy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fp8-scales", nargs=2, type=float, default=(KV_CACHE_SCALE, Q_SCALE), metavar=("KV", "Q"),
-                   help="kv_cache_scale and q_scale of the fp8 configs (default %(default)s; vLLM's default is 1.0, "
-                   "a power of two, which the kernel's fp8 stores take without the residual step)")  # fmt: skip
+                   help="kv_cache_scale and q_scale of the fp8 configs (default %(default)s; vLLM's default is 1.0)")
     p.add_argument(
         "--time-budget-s",
         type=float,

@@ -133,31 +133,20 @@ def _fp8_bits(x, STORE: tl.constexpr):
 
 @triton.jit
 def _load_scale(scale_ptr, STORE: tl.constexpr):
-    """(scale, 1/scale, pow2_inv) of an fp8 output, loaded once per program; (1, 1, 1) without a
-    scale. ``pow2_inv`` is 1/scale where the scale is a power of two whose reciprocal is a normal
-    float32 too (vLLM's default scale, 1.0, is one), else 0: there ``x * pow2_inv`` is already
-    ``x / scale`` correctly rounded (the reciprocal is exact, so both round the same number)."""
+    """(scale, 1/scale) of an fp8 output, loaded once per program; (1, 1) without a scale."""
     if _store_param(STORE, "HAS_SCALE"):
         scale = tl.load(scale_ptr)
         inv = tl.fdiv(1.0, scale, ieee_rounding=True)  # correctly rounded on every target (libdevice-free)
-        # 2**k: sign and mantissa bits zero, biased exponent k + 127 (negative for a negative scale
-        # here); 2**k and 2**-k are both normal for |k| <= 126, and 2**-k's is 254 minus 2**k's.
-        bits = scale.to(tl.int32, bitcast=True)
-        biased = bits >> 23
-        pow2 = ((bits & 0x7FFFFF) == 0) & (biased >= 1) & (biased <= 253)
-        pow2_inv = tl.where(pow2, ((254 - biased) << 23).to(tl.float32, bitcast=True), 0.0)
-        scale = tl.minimum(scale, 3.4028234663852886e38)  # keeps the residual step finite where scale = inf
     else:
         scale = 1.0
         inv = 1.0
-        pow2_inv = 1.0
-    return scale, inv, pow2_inv
+    return scale, inv
 
 
 @triton.jit
-def _round_for_store(x, scale, inv_scale, pow2_inv, out_ptr, STORE: tl.constexpr):
+def _round_for_store(x, scale, inv_scale, out_ptr, STORE: tl.constexpr):
     """``x`` (float32) as the element type stored at ``out_ptr``, rounded as the store format
-    ``STORE`` says (``_store_params``); ``scale, inv_scale, pow2_inv`` from ``_load_scale``."""
+    ``STORE`` says (``_store_params``)."""
     MODE: tl.constexpr = _store_param(STORE, "MODE")
     HAS_SCALE: tl.constexpr = _store_param(STORE, "HAS_SCALE")
     FP8_MAX: tl.constexpr = _store_param(STORE, "FP8_MAX")
@@ -166,22 +155,14 @@ def _round_for_store(x, scale, inv_scale, pow2_inv, out_ptr, STORE: tl.constexpr
     else:
         if HAS_SCALE:
             # x / scale, correctly rounded, without a division per element (a full-precision
-            # division is ~10 instructions and made the fp8 paths compute-bound). A power-of-two
-            # scale needs only the product with its exact reciprocal. Otherwise the product with
-            # the reciprocal is within an ulp, and one residual step (exact through the fma)
-            # rounds it correctly. The product is clamped first so that the step stays finite
-            # (quotients past the fp8 range saturate below anyway; a NaN x still makes a NaN
-            # residual), and the residual is taken as q * scale - x: for either zero and a
-            # positive scale that is +0, and q - (+0) keeps the sign torch keeps. pow2_inv is
-            # the same for the whole program (one path per program), and is its own value, not
-            # inv_scale: were both paths to start from x * inv_scale, the compiler would compute
-            # it before the branch and keep x live beside it (sm_90: 80 registers, not 48, op 2).
-            if pow2_inv != 0:
-                x = x * pow2_inv
-            else:
-                q = tl.minimum(tl.maximum(x * inv_scale, -2 * FP8_MAX), 2 * FP8_MAX)
-                r = tl.fma(q, scale, -x)
-                x = tl.fma(-r, inv_scale, q)
+            # division is ~10 instructions and made the fp8 paths compute-bound): the product
+            # with the reciprocal is within an ulp, and one residual step (exact through the
+            # fma) rounds it correctly. Quotients far outside the fp8 range skip the step,
+            # which would turn an overflow into NaN; they saturate below anyway. So do zeros:
+            # the step would add a +0 residual to -0 and lose the sign torch keeps.
+            q = x * inv_scale
+            r = tl.fma(-q, scale, x)
+            x = tl.where((tl.abs(q) < 2 * FP8_MAX) & (q != 0), tl.fma(r, inv_scale, q), q)
         if MODE == 1:
             # NVIDIA converts with cvt.rn.satfinite: saturation and NaN handling come free.
             y = x.to(out_ptr.dtype.element_ty)
@@ -349,7 +330,7 @@ def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cach
     col = tl.arange(0, BLOCK_L)
     c_mask = t_mask[:, None] & (col < L)[None, :]
     c = tl.load(kv_c_ptr + t[:, None] * stride_c_t + col[None, :] * stride_c_l, mask=c_mask, other=0.0)
-    scale, inv_scale, pow2_inv = _load_scale(cache_scale_ptr, CACHE_STORE)
+    scale, inv_scale = _load_scale(cache_scale_ptr, CACHE_STORE)
     pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)  # clamp: never read past the table
     k_off = t * stride_k_t
     sin_ptr = cos_sin_ptr + (R // 2) * stride_cs_r
@@ -362,8 +343,8 @@ def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cach
         # The key's rope part is the same for every head: round it once, store it H times.
         # k_out has no scale (vLLM casts the key without one).
         KEY_STORE: tl.constexpr = _unscaled(OUT_STORE)
-        y1 = _round_for_store(k1, 1.0, 1.0, 1.0, out_ptr, KEY_STORE)
-        y2 = _round_for_store(k2, 1.0, 1.0, 1.0, out_ptr, KEY_STORE)
+        y1 = _round_for_store(k1, 1.0, 1.0, out_ptr, KEY_STORE)
+        y2 = _round_for_store(k2, 1.0, 1.0, out_ptr, KEY_STORE)
         ROWS: tl.constexpr = BLOCK_T * BLOCK_H
         y1 = tl.reshape(tl.broadcast_to(y1[:, None, :], [BLOCK_T, BLOCK_H, BLOCK_R2]), [ROWS, BLOCK_R2])
         y2 = tl.reshape(tl.broadcast_to(y2[:, None, :], [BLOCK_T, BLOCK_H, BLOCK_R2]), [ROWS, BLOCK_R2])
@@ -377,16 +358,16 @@ def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cach
     write = t_mask & (slot >= 0) & (slot < num_slots)
     slot = tl.maximum(slot, 0)
     row = (slot // block_size) * stride_kv_b + (slot % block_size) * stride_kv_s
-    k1 = _round_for_store(k1, scale, inv_scale, pow2_inv, cache_ptr, CACHE_STORE)
-    k2 = _round_for_store(k2, scale, inv_scale, pow2_inv, cache_ptr, CACHE_STORE)
+    k1 = _round_for_store(k1, scale, inv_scale, cache_ptr, CACHE_STORE)
+    k2 = _round_for_store(k2, scale, inv_scale, cache_ptr, CACHE_STORE)
     _store_rotated(cache_ptr, row + L * stride_kv_d, k1, k2, write, IS_NEOX, R, BLOCK_R2, stride_kv_d, BLOCK_T)
-    c = _round_for_store(c.to(tl.float32), scale, inv_scale, pow2_inv, cache_ptr, CACHE_STORE)
+    c = _round_for_store(c.to(tl.float32), scale, inv_scale, cache_ptr, CACHE_STORE)
     tl.store(cache_ptr + row[:, None] + col[None, :] * stride_kv_d, c, mask=write[:, None] & (col < L)[None, :])
     for l0 in tl.static_range(BLOCK_L, L, BLOCK_L):  # latent widths past BLOCK_L (> 512)
         col = l0 + tl.arange(0, BLOCK_L)
         m = write[:, None] & (col < L)[None, :]
         c = tl.load(kv_c_ptr + t[:, None] * stride_c_t + col[None, :] * stride_c_l, mask=m, other=0.0)
-        c = _round_for_store(c.to(tl.float32), scale, inv_scale, pow2_inv, cache_ptr, CACHE_STORE)
+        c = _round_for_store(c.to(tl.float32), scale, inv_scale, cache_ptr, CACHE_STORE)
         tl.store(cache_ptr + row[:, None] + col[None, :] * stride_kv_d, c, mask=m)
 
 
@@ -414,7 +395,7 @@ def _query_program(pid, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_s
         col = tl.arange(0, BLOCK_N)
         n_mask = o_mask[:, None] & (col < NOPE)[None, :]
         nope = tl.load(nope_ptr + n_off[:, None] + col[None, :] * stride_n_d, mask=n_mask, other=0.0)
-        scale, inv_scale, pow2_inv = _load_scale(out_scale_ptr, OUT_STORE)
+        scale, inv_scale = _load_scale(out_scale_ptr, OUT_STORE)
         out = (t - key_start) * stride_o_t + h * stride_o_h
     pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
     q_off = t * stride_q_t + h * stride_q_h
@@ -426,19 +407,19 @@ def _query_program(pid, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_s
                        r_mask, IS_NEOX, R, BLOCK_R2, stride_q_r, BLOCK_ROWS)  # fmt: skip
     else:
         rope_col = NOPE if NOPE_FIRST else 0
-        q1 = _round_for_store(q1, scale, inv_scale, pow2_inv, out_ptr, OUT_STORE)
-        q2 = _round_for_store(q2, scale, inv_scale, pow2_inv, out_ptr, OUT_STORE)
+        q1 = _round_for_store(q1, scale, inv_scale, out_ptr, OUT_STORE)
+        q2 = _round_for_store(q2, scale, inv_scale, out_ptr, OUT_STORE)
         _store_rotated(out_ptr, out + rope_col * stride_o_d, q1, q2, o_mask, IS_NEOX, R, BLOCK_R2,
                        stride_o_d, BLOCK_ROWS)  # fmt: skip
     if OP != OP_ROPE_CACHE:
         nope_col = R if (OP == OP_DECODE and not NOPE_FIRST) else 0
-        nope = _round_for_store(nope.to(tl.float32), scale, inv_scale, pow2_inv, out_ptr, OUT_STORE)
+        nope = _round_for_store(nope.to(tl.float32), scale, inv_scale, out_ptr, OUT_STORE)
         tl.store(out_ptr + out[:, None] + (nope_col + col[None, :]) * stride_o_d, nope, mask=n_mask)
         for n0 in tl.static_range(BLOCK_N, NOPE, BLOCK_N):  # nope widths past BLOCK_N (> 512)
             col = n0 + tl.arange(0, BLOCK_N)
             m = o_mask[:, None] & (col < NOPE)[None, :]
             x = tl.load(nope_ptr + n_off[:, None] + col[None, :] * stride_n_d, mask=m, other=0.0)
-            x = _round_for_store(x.to(tl.float32), scale, inv_scale, pow2_inv, out_ptr, OUT_STORE)
+            x = _round_for_store(x.to(tl.float32), scale, inv_scale, out_ptr, OUT_STORE)
             tl.store(out_ptr + out[:, None] + (nope_col + col[None, :]) * stride_o_d, x, mask=m)
 
 
@@ -458,11 +439,6 @@ def _cdiv(a: int, b: int) -> int:
 def _pow2(n: int) -> int:
     """Smallest power of two >= n (n >= 1)."""
     return 1 << (n - 1).bit_length()
-
-
-def _pow2_floor(n: int) -> int:
-    """Largest power of two <= n (1 for n < 1)."""
-    return 1 << max(n.bit_length() - 1, 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -564,9 +540,9 @@ def _launch_config_for(p: Problem, op: int, sms: int, pdl: bool) -> dict:
 
     Traffic per query row: R elements in and out (op 1), L + R (op 2), P + R (op 3);
     per cache token L + R, plus op 3's H copies of the key's rope part. Programs aim at
-    ~4K elements (8 KB of bf16) of traffic each (op 3's cache programs ~8K) so that large
-    batches run at full bandwidth; small batches shrink the tiles so that the work spreads
-    over more SMs instead of queueing on a few.
+    ~4K elements (8 KB of bf16) of traffic each so that large batches run at full
+    bandwidth; small batches shrink the tiles so that the work spreads over more SMs
+    instead of queueing on a few.
     """
     H, L, R = p.num_heads, p.kv_lora_rank, p.rope_dim
     BLOCK_L = min(_pow2(L), 512)
@@ -586,19 +562,11 @@ def _launch_config_for(p: Problem, op: int, sms: int, pdl: bool) -> dict:
     # Shrink while the grid would leave most SMs idle.
     while block_rows > 1 and _cdiv(rows, block_rows) < sms:
         block_rows //= 2
-    # Cache programs: ~4K elements for ops 1 and 2 (8 tokens of L + R = 576 at DeepSeek's sizes).
-    # Op 3's tokens also store their key's rope part for every head (H * R more): there the tuner
-    # measured 4 tokens fastest at H=16, T 1024-16384 (T=16384: 76.8 us against 79.3 with 2 and
-    # 81.9 with 8), so op 3 takes the most tokens within ~8K elements: 4 at H=16 (6.4K), and 1
-    # where one token already exceeds that (H=128: 8.8K).
-    if op == OP_PREFILL.value:
-        block_t = min(_pow2_floor(8192 // (L + R + H * R)), 64)
-    else:
-        block_t = min(_pow2(max(1, 4096 // (L + R))), 64)
+    token_elems = L + R + (H * R if op == OP_PREFILL.value else 0)
+    block_t = max(1, min(_pow2(max(1, 4096 // token_elems)), 64))
     while block_t > 1 and _cdiv(p.num_tokens, block_t) < sms // 2:
         block_t //= 2
-    # Op 3's cache programs store the key's rope part for every head in tiles of ~2K elements
-    # (at H=16, 4 tokens by 8 heads: the tuner's joint grid timed 8 heads as fast as 16).
+    # Op 3's cache programs store the key's rope part for every head in tiles of ~2K elements.
     block_h = _pow2(H) if op == OP_PREFILL.value else 1
     while block_h > 1 and block_t * block_h * R > 2048:
         block_h //= 2
