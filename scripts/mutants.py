@@ -285,7 +285,7 @@ MUTANTS = [
            f"{VAL} -k 'float and name and mismatch'", "kv_cache_dtype='float16' accepted for a bf16 cache"),
     # ---- the reference backend (the definition of the semantics) -------------------------
     Mutant("reference-slot-guard-missing", REF,
-           "keep = (slots >= 0) & (slots < cache.shape[0] * block_size)",
+           "keep = (slots >= 0) & (slots < kv_cache.shape[0] * block_size)",
            "keep = slots >= 0",
            f"{OPS} -k 'past_the_cache and torch'", "torch backend indexes past the cache"),
     Mutant("reference-pairing-swapped", REF,
