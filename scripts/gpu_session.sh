@@ -15,8 +15,6 @@
 #   scripts/gpu_session.sh e2e-ttft three engines per side with host timers (gpu_vllm_check.sh ttft)
 #   scripts/gpu_session.sh e2e-insitu  issue 20's pooled in-situ run, mixed steps included ($INSITU_KV:
 #                                   gpu_vllm_check.sh insitu)
-#   scripts/gpu_session.sh host-profile  issue 20: py-spy over in-process engines, plugin on and off
-#                                   (gpu_vllm_check.sh hostprof; carry .whl/ with the py-spy wheel)
 #   scripts/gpu_session.sh kernels  compute-sanitizer memcheck of the new cases; the kernel benchmark's
 #                                   epilogue section and the op 1 / op 2 shapes of issue 10 with vLLM's
 #                                   kernels (K3 included) as peers; the host-cost probe; the launch
@@ -82,9 +80,6 @@ hostpath)
   done
   TOTAL_S=$(left) scripts/gpu_vllm_check.sh env tests || status=1
   ;;
-host-profile)
-  TOTAL_S=$(left) scripts/gpu_vllm_check.sh hostprof || status=1
-  ;;
 e2e | e2e-fp8 | e2e-x | e2e-ttft | e2e-insitu)
   # Each is one stage of gpu_vllm_check.sh, given the time this call has left.
   declare -A stage=([e2e]=e2e1 [e2e-fp8]=e2e2 [e2e-x]=e2ex [e2e-ttft]=ttft [e2e-insitu]=insitu)
@@ -99,7 +94,7 @@ kernels)
   timeout $(( $(left) - 25 )) scripts/gpu_check.sh tune || status=1
   ;;
 *)
-  echo "usage: scripts/gpu_session.sh first|host|install|hostpath|e2e|e2e-fp8|e2e-x|e2e-ttft|e2e-insitu|host-profile|kernels"
+  echo "usage: scripts/gpu_session.sh first|host|install|hostpath|e2e|e2e-fp8|e2e-x|e2e-ttft|e2e-insitu|kernels"
   exit 2 ;;
 esac
 echo "==== gpu_session $1: ${SECONDS}s, status $status"

@@ -13,11 +13,6 @@
 #     e2ex      a part of one's own: tag $E2E_TAG (default partx), benchmark options $E2E_ARGS (default a
 #               bf16 pair); variants of the plugin come from the environment (its variables set for
 #               the call), and the compile caches in $E2E_WORK from earlier parts make its engines warm
-#     hostprof  issue 20's host profile: in-process engines plugin on and off, py-spy (a wheel carried
-#               in .whl/) over fixed prefill and mixed workloads (benchmarks/e2e/host_profile.py), within
-#               $HOSTPROF_DEADLINE_S (default 225); $HOSTPROF_MODES (default compiled; "compiled eager"
-#               adds the eager pair), $HOSTPROF_ARGS its options (default "--pin-cpus --rounds 6": each
-#               side on CPUs of its own, 6 blocks per side); output in $OUT/host_profile/
 #     env       only set up the environment and print versions
 # Logs and results go under $OUT (default ./gpu_out); a short summary is printed last. The whole
 # call keeps inside $TOTAL_S seconds (default 585: one device command may run 600).
@@ -131,23 +126,6 @@ stage_e2e() {
   return $rc
 }
 
-stage_hostprof() {
-  local limit=$(( $(left) - 15 ))
-  local deadline=${HOSTPROF_DEADLINE_S:-225}
-  [ "$deadline" -gt $((limit - 10)) ] && deadline=$((limit - 10))
-  if [ "$deadline" -lt 150 ]; then echo "host profile: only ${limit}s left, not starting"; return 1; fi
-  note "host profile: deadline ${deadline}s, modes ${HOSTPROF_MODES:-compiled}"
-  # shellcheck disable=SC2086 # HOSTPROF_MODES and HOSTPROF_ARGS are lists
-  timeout -k 10 $((deadline + 10)) python3 -m benchmarks.e2e.host_profile --out "$OUT/host_profile" \
-    --work-dir "${HOSTPROF_WORK:-/tmp/host_profile_work}" --deadline-s "$deadline" --modes ${HOSTPROF_MODES:-compiled} \
-    ${HOSTPROF_ARGS:---pin-cpus --rounds 6} >"$OUT/host_profile.log" 2>&1
-  local rc=$?
-  grep -E "^\[[0-9:]+\] " "$OUT/host_profile.log" | tail -n 40
-  head -n 160 "$OUT/host_profile/host_profile.md" 2>/dev/null
-  summary+=("host profile: exit $rc")
-  return $rc
-}
-
 # Inductor's generated code of every compiled piece, per side: which ops each kernel fuses, when
 # the per-kernel table shows a neighbouring kernel changing with the plugin ("Where the decode
 # saving goes"). Each side's compile cache is its own (VLLM_CACHE_ROOT per side); the output
@@ -182,8 +160,7 @@ for stage in $stages; do
     --decode-batches 1 16 64 256 --prefill-lens 1024 4096 16384 --mixed-lens 1024 --repeats 6 --host-regions || status=1 ;;
   # shellcheck disable=SC2086 # E2E_ARGS is a list of options
   e2ex) stage_e2e "${E2E_TAG:-partx}" ${E2E_ARGS:---kv-cache-dtypes auto --runs 1} || status=1 ;;
-  hostprof) stage_hostprof || status=1 ;;
-  *) echo "unknown stage $stage (install env tests e2e1 e2e2 e2ex ttft insitu hostprof)"; status=2 ;;
+  *) echo "unknown stage $stage (install env tests e2e1 e2e2 e2ex ttft insitu)"; status=2 ;;
   esac
 done
 echo "==== gpu_vllm_check: ${SECONDS}s, stages: $stages"

@@ -3,7 +3,7 @@
 The one engine harness of this repository, imported as ``benchmarks.e2e.vllm_engine``:
 shared by the GPU integration tests (tests/vllm_plugin_gpu/), the AMX test
 (tests/vllm_plugin/amx_mla_engine.py), the end-to-end benchmarks of this section
-(bench_vllm_e2e.py, host_profile.py) and the serving benchmark's profiler settings,
+(bench_vllm_e2e.py) and the serving benchmark's profiler settings,
 and exercised on the CPU by their smoke runs.
 
 Turning the plugin on or off between engines of one process (``set_plugin``):
