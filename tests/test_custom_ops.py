@@ -150,6 +150,9 @@ def test_keyword_overrides_environment(monkeypatch):
 
 def test_forced_backend_runs_that_backend(monkeypatch):
     """VLLM_MLA_FUSION_BACKEND really selects the implementation (no silent fallback)."""
+    # The public ops keep their BoundOps (and the sites they bound) for the process: start from none,
+    # so that this layout is bound here, through the wrapped backends, whatever ran before.
+    monkeypatch.setattr(mla.ops, "_BOUND", {})
     calls = []
     for name in OP_BACKENDS:
         module = dispatch.load(name)
