@@ -1,7 +1,7 @@
 """Which code a result came from: the checkout's git commit and a digest of the plugin's files.
 
 The GPU machine gets a copy of the working tree whose git metadata can lag the tree itself (the
-serving run of 2026-12-02 recorded the parent of the commit it ran: docs/performance.md), so a
+serving run of 2026-12-02 recorded the parent of the commit it ran: docs/performance-history.md), so a
 commit id alone does not say which plugin ran. ``package_sha256`` hashes the files that make up
 the package (every file under ``vllm_mla_fusion/`` but Python's caches), computed the same way
 from a directory and from a commit, so a result's digest names its commit:

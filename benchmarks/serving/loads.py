@@ -89,7 +89,7 @@ class Load:
 # left such compiles to the measured loads of the fp8-MoE stand-in (stop 28's ~1.6 s p99
 # TTFT at rate4 on both sides); the servers' JIT monitor (run.py) now counts them per load.
 # That warm-up still left two fused-MoE compiles (a small-M tile) to ``saturate`` on the H200
-# (2026-12-03, docs/performance.md): its steps, 64 decodes plus short prompts, are a mix the
+# (2026-12-03, docs/performance-history.md): its steps, 64 decodes plus short prompts, are a mix the
 # long prompts at 16 in flight never make. ``warmup_decode`` makes it first: short prompts of
 # varied length (+-50%) at ``saturate``'s 64 in flight; it removed those compiles there.
 # ``profile16`` is rate16 profiled, for where a missed target's time goes (issue 21): 80 prompts
