@@ -371,10 +371,11 @@ def test_prefill_sizes(backend, T, H, is_neox):
     _run_prefill(case, backend)
 
 
-# Power-of-two scales whose reciprocal is a normal float32 skip the residual step (the reciprocal
-# product is then the correctly rounded quotient); the edges of that rule on both sides take it:
-# 2**127 (reciprocal subnormal), subnormal scales, and non-powers of two next to 1, where the bare
-# product stores other codes than the division (1 - 2**-24: ~120 of each format's near-ties).
+# Scales at and around powers of two store the correctly rounded division too: 1.0 (vLLM's default),
+# 2**-126 and 2**126 (reciprocal normal), 2**127 (reciprocal subnormal), subnormal scales, and the
+# non-powers of two next to 1, where the bare product with the reciprocal would store other codes
+# than the division (1 - 2**-24: ~120 of each format's near-ties). A faster path for powers of two
+# (issue 41's S1) must keep this.
 EDGE_SCALES = [1.0, 0.5, 2.0**-126, 2.0**126, 2.0**127, 2.0**-127, 1.5 * 2.0**-127, 1 - 2.0**-24, 1 + 2.0**-23]
 
 

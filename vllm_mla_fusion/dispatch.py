@@ -27,6 +27,7 @@ from . import fp8
 from .backends import aiter as aiter_backend
 from .backends import reference
 from .environment import env_flag, environment_value
+from .validation import Problem
 
 BACKENDS = ("torch", "triton", "aiter")
 ENV_BACKEND = "VLLM_MLA_FUSION_BACKEND"
@@ -66,13 +67,13 @@ def _triton_unavailable_reason(device: torch.device) -> str | None:
     return f"Triton does not run on {device.type} tensors"
 
 
-def writes_format(name: str, problem=None) -> bool:
+def writes_format(name: str, problem: Problem | None = None) -> bool:
     """Whether backend ``name`` writes the cache format of ``problem`` (a validation.Problem; None: plain rows)."""
     packed = getattr(problem, "cache_format", None)
     return packed is None or packed in PACKED_FORMATS[name]
 
 
-def check_format(name: str, problem) -> None:
+def check_format(name: str, problem: Problem | None) -> None:
     """A ValueError if backend ``name`` does not write ``problem``'s cache format."""
     if not writes_format(name, problem):
         writers = [b for b in BACKENDS if writes_format(b, problem)]
@@ -92,16 +93,16 @@ def resolve(backend: str | None, device: torch.device, decode: bool, problem=Non
     if name == "torch":
         return name
     if name == "triton":
+        check_format(name, problem)  # first: the ops' fakes raise the same error, wherever they trace
         reason = _triton_unavailable_reason(device)
         if reason:
             raise RuntimeError(f"backend 'triton' was requested but cannot run: {reason}")
-        check_format(name, problem)
         return name
     if name == "aiter":
+        check_format(name, problem)  # and the Triton kernel it hands the rest to writes the same formats
         reason = aiter_backend.unavailable_reason(device)
         if reason:
             raise RuntimeError(f"backend 'aiter' was requested but cannot run: {reason}")
-        check_format(name, problem)  # and the Triton kernel it hands the rest to writes the same formats
         # AITER covers some cases only (docs/rocm.md); the rest take our Triton kernel.
         return "aiter" if aiter_backend.applies(decode, problem, device) else "triton"
     # auto (a format the GPU backends do not write takes the reference: correct, if slow)

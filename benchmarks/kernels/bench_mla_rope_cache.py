@@ -158,6 +158,8 @@ class Dims:
     max_pos: int
     nope: int  # q's nope head dim (q_pe is a view past it)
     is_neox: bool
+    kv_cache_scale: float = KV_CACHE_SCALE  # the fp8 configs' scales (--fp8-scales)
+    q_scale: float = Q_SCALE
 
 
 def op_bytes(op: str, T: int, H: int, d: Dims, cache_elem: int, q_elem: int, act: int = 2, key_elem: int = 2) -> int:
@@ -277,9 +279,9 @@ class Workload:
             self.cache_storage = canary.to(act) if cfg.cache == "bf16" else (canary * 8).to(fp8_dtype).view(torch.uint8)
             self.cos_sin_cache = None  # set by the caller (shared across configs)
             self.kv_cache_scale = (
-                torch.tensor([KV_CACHE_SCALE], dtype=torch.float32, device=device) if cfg.cache == "fp8" else None
+                torch.tensor([d.kv_cache_scale], dtype=torch.float32, device=device) if cfg.cache == "fp8" else None
             )
-            self.q_scale = torch.tensor([Q_SCALE], dtype=torch.float32, device=device) if cfg.q_out == "fp8" else None
+            self.q_scale = torch.tensor([d.q_scale], dtype=torch.float32, device=device) if cfg.q_out == "fp8" else None
         self.store_dtype = fp8_dtype if cfg.cache == "fp8" else act
         self.kv_cache_dtype = "fp8" if cfg.cache == "fp8" else "auto"
         self.kv_cache = self.cache_storage[: nb * bs].view(nb, bs, L + R)
@@ -626,7 +628,7 @@ class Runner:
 
         self.fp8_dtype = fp8_mod.platform_fp8_e4m3(self.device)
         self.d = Dims(L=args.kv_lora_rank, R=args.rope_dim, max_pos=args.max_position, nope=args.nope_head_dim,
-                      is_neox=args.neox)  # fmt: skip
+                      is_neox=args.neox, kv_cache_scale=args.fp8_scales[0], q_scale=args.fp8_scales[1])  # fmt: skip
         self.impls = Impls(args, self.d, self.device, self.fp8_dtype)
         self.gen = torch.Generator(device=self.device)
         self.gen.manual_seed(args.seed)
@@ -1280,9 +1282,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    global KV_CACHE_SCALE, Q_SCALE
     args = parse_args(argv)
-    KV_CACHE_SCALE, Q_SCALE = args.fp8_scales
     if args.smoke:
         # Must precede the first import of triton (the interpreter is chosen at kernel definition).
         os.environ["TRITON_INTERPRET"] = "1"
@@ -1305,8 +1305,8 @@ def main(argv=None) -> int:
         "mixed_splits": args.mixed, "kv_lora_rank": args.kv_lora_rank, "rope_dim": args.rope_dim,
         "max_position": args.max_position, "q_nope_head_dim": args.nope_head_dim,
         "rotation": "neox" if args.neox else "gptj", "activation_dtype": "bfloat16", "cos_sin_cache": "float32",
-        "index_dtype": "int64", "fp8_format": str(runner.fp8_dtype), "kv_cache_scale": KV_CACHE_SCALE,
-        "q_scale": Q_SCALE, "fp8_cache_storage": "uint8 (kv_cache_dtype='fp8')",
+        "index_dtype": "int64", "fp8_format": str(runner.fp8_dtype), "kv_cache_scale": args.fp8_scales[0],
+        "q_scale": args.fp8_scales[1], "fp8_cache_storage": "uint8 (kv_cache_dtype='fp8')",
         "q_pe": "q[..., nope:] of [T, H, nope+R]", "k_pe": "kv_a[:, L:] of [T, L+R]",
         "ql_nope": "[H, T, L].transpose(0, 1) (bmm output)", "slots": "random permutation (unique, no padding)",
         "positions": "uniform random in [0, max_position)", "repeats": args.repeats, "target_us": args.target_us,

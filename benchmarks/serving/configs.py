@@ -40,14 +40,15 @@ class Configuration:
     client_backend: str = "openai"
     loads: tuple[str, ...] = DEFAULT_LOADS
 
-    def settings(self) -> dict[str, object]:
-        """What this configuration sets, for the report (each item: an option, or the client's or tokenizer's)."""
+    def settings(self, max_model_len: int, loads: list[str]) -> dict[str, object]:
+        """What a run of this configuration used, for the report: its options with the command line's
+        ``--max-model-len`` and ``--loads`` where they replaced the configuration's."""
         return {
-            "vllm serve": " ".join([*self.server_args, "--max-model-len", str(self.max_model_len)]),
+            "vllm serve": " ".join([*self.server_args, "--max-model-len", str(max_model_len)]),
             "tokenizer": "the model's whole vocabulary" if self.tokenizer_vocab is None
             else f"{self.tokenizer_vocab} words",  # fmt: skip
             "vllm bench serve --backend": self.client_backend,
-            "loads": " ".join(self.loads),
+            "loads": " ".join(loads),
         }
 
 

@@ -154,7 +154,8 @@ def run_key(args, config: dict) -> str:
     if args.probe:
         same["probe"] = True
     if args.config != configs.DEFAULT_CONFIGURATION:
-        same["configuration"] = args.config  # its server options and max_model_len are in `same` already
+        same["configuration"] = args.config
+        same["configuration_server_args"] = list(args.configuration.server_args)
         same["tokenizer_vocab"] = args.configuration.tokenizer_vocab
         same["client_backend"] = args.configuration.client_backend
     return hashlib.sha256(json.dumps(same, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -580,7 +581,7 @@ class Benchmark:
                 "server_command": shlex.join([*self.server_spec().launcher, "MODEL", *self.server_spec().args]),
                 "server_summary": "CPU platform, demo.serve" if a.cpu else "dummy weights",
                 "configuration": {"name": a.config, "description": a.configuration.description,
-                                  **a.configuration.settings(), "max_model_len": a.max_model_len,
+                                  **a.configuration.settings(a.max_model_len, a.loads),
                                   "more server options": a.server_arg},
                 "bench_args": a.bench_arg, "seed": a.seed, "budget_s": a.budget_s,
             },
