@@ -69,8 +69,7 @@ def _triton_unavailable_reason(device: torch.device) -> str | None:
 
 def writes_format(name: str, problem: Problem | None = None) -> bool:
     """Whether backend ``name`` writes the cache format of ``problem`` (a validation.Problem; None: plain rows)."""
-    packed = getattr(problem, "cache_format", None)
-    return packed is None or packed in PACKED_FORMATS[name]
+    return problem is None or problem.cache_format is None or problem.cache_format in PACKED_FORMATS[name]
 
 
 def check_format(name: str, problem: Problem | None) -> None:

@@ -229,8 +229,5 @@ def write_model_dir(path: str | os.PathLike, config: dict, tokenizer_vocab: int 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=1))
-    if tokenizer_vocab is not None and not 2 < tokenizer_vocab <= config["vocab_size"]:
-        raise ValueError(f"tokenizer_vocab {tokenizer_vocab}: more than BOS and EOS, at most the model's "
-                         f"{config['vocab_size']}")  # fmt: skip
     save_tokenizer(path, build_tokenizer(tokenizer_vocab or config["vocab_size"]), config)
     return path

@@ -16,6 +16,7 @@ order, and reports every server of the run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -154,10 +155,9 @@ def run_key(args, config: dict) -> str:
     if args.probe:
         same["probe"] = True
     if args.config != configs.DEFAULT_CONFIGURATION:
-        same["configuration"] = args.config
-        same["configuration_server_args"] = list(args.configuration.server_args)
-        same["tokenizer_vocab"] = args.configuration.tokenizer_vocab
-        same["client_backend"] = args.configuration.client_backend
+        # Everything the configuration fixes (its max_model_len and loads are in `same` as used).
+        same["configuration"] = {k: v for k, v in dataclasses.asdict(args.configuration).items()
+                                 if k not in ("description", "max_model_len", "loads")}  # fmt: skip
     return hashlib.sha256(json.dumps(same, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
