@@ -253,6 +253,33 @@ def test_the_info_line_says_when_the_rope_moves_into_piecewise_graphs(vllm_cpu, 
                      "(backend torch, mode decode-graph-rope)"], lines  # fmt: skip
 
 
+def test_debug_mode_is_warned_once_at_start_up(vllm_cpu, plugin_on, as_rank_3, monkeypatch, caplog):
+    """VLLM_MLA_FUSION_DEBUG syncs every fused call: a server started with it says so, once per rank,
+    beside the backend line (a serving comparison's plugin side would otherwise measure it unseen)."""
+    monkeypatch.setenv("VLLM_MLA_FUSION_DEBUG", "1")
+    with caplog.at_level(logging.INFO, logger=PLUGIN_LOGGER):
+        for _ in range(2):
+            assert vllm_cpu.build_attention().mla_attn.fusion_mode == "decode"
+    warnings = [r for r in caplog.records if "VLLM_MLA_FUSION_DEBUG" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING, warnings
+    assert warnings[0].getMessage().startswith("vllm-mla-fusion (rank 3, local rank 3): VLLM_MLA_FUSION_DEBUG is set")
+
+
+@pytest.mark.parametrize("debug", [None, "0", "1"])
+@pytest.mark.parametrize("backend, device", [("torch", "cpu"), ("torch", "cuda"), ("triton", "cuda"), ("aiter", "cuda")])
+def test_slow_settings_name_debug_mode_and_the_reference_on_a_gpu(monkeypatch, debug, backend, device):
+    from vllm_mla_fusion.vllm_plugin.layer import slow_settings
+
+    if debug is None:
+        monkeypatch.delenv("VLLM_MLA_FUSION_DEBUG", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_MLA_FUSION_DEBUG", debug)
+    said = slow_settings(backend, torch.device(device))
+    assert [s.split(" ")[0] for s in said] == (["VLLM_MLA_FUSION_DEBUG"] if debug == "1" else []) + (
+        ["the"] if (backend, device) == ("torch", "cuda") else []
+    ), said
+
+
 def test_decode_pair_backends_are_recognised_by_name_and_subclass():
     """FLASH_ATTN_MLA and CUTLASS_MLA (and subclasses, e.g. XPU's) take (ql_nope, q_pe) as it is: op 1
     for the decode rows; every other backend, and any fp8 query, gets op 2's assembled query."""

@@ -49,6 +49,7 @@ from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
 from vllm.models.common.ops import fused_q_kv_rmsnorm
 from vllm.utils.torch_utils import _encode_layer_name
 
+from .. import validation
 from . import eligibility
 
 logger = init_logger("vllm.vllm_mla_fusion.layer")
@@ -70,6 +71,24 @@ def rank_label() -> str:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return f"rank {torch.distributed.get_rank()}"
     return "single process"
+
+
+def slow_settings(backend: str, device: torch.device) -> list[str]:
+    """Settings that make a GPU server's fused layers slower, each said once per rank at start-up:
+    a serving comparison whose plugin side runs with one of them measures the setting, and the log
+    is where whoever reads the comparison finds it."""
+    slow = []
+    if validation.debug_enabled():
+        slow.append(
+            "VLLM_MLA_FUSION_DEBUG is set: every fused call checks its index values on the host and "
+            "waits for the GPU, so steps outside CUDA graphs (prefill and mixed steps) are slower; unset it to serve"
+        )
+    if backend == "torch" and device.type != "cpu":
+        slow.append(
+            "the torch reference backend runs on the GPU (VLLM_MLA_FUSION_BACKEND=torch): each fused call "
+            "is tens of torch ops, for checking the kernels, not for serving"
+        )
+    return slow
 
 
 class FusedMultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
@@ -123,6 +142,8 @@ class FusedMultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
             self.fusion_mode + ("-graph-rope" if graph_rope else ""),  # VLLM_MLA_FUSION_GRAPH_ROPE took effect
             scope="process",  # one line per rank, so ranks that chose differently are visible
         )
+        for setting in slow_settings(backend, self.rotary_emb.cos_sin_cache.device):
+            logger.warning_once("vllm-mla-fusion (%s): %s", rank_label(), setting, scope="process")
 
     def _setup_rope_cache_mode(self, backend: str) -> None:
         from . import custom_ops
