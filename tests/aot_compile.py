@@ -215,13 +215,16 @@ def compile_variant(machine, target, v: Variant, asm: str, dump: Path | None = N
     return Compiled(ck, kwargs, native, round(time.monotonic() - t0, 2))
 
 
-def compile_in_subprocesses(module: str, archs, timeout: float = 900) -> dict:
+def compile_in_subprocesses(module: str, archs, timeout: float = 900, triton_dir: Path | None = None) -> dict:
     """``python -m module --json ARCH`` for each arch, in parallel processes without
     ``TRITON_INTERPRET`` and with the plugin's own switches at their defaults (no
     ``VLLM_MLA_FUSION_*``: ``VLLM_MLA_FUSION_PDL=0`` would drop PDL): the results by
-    ``(arch, op, label)``."""
+    ``(arch, op, label)``. ``triton_dir``: a directory holding another Triton
+    (``triton_install``), imported instead of the environment's."""
     repo = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and not k.startswith("VLLM_MLA_FUSION")}
+    if triton_dir is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(triton_dir), *filter(None, [env.get("PYTHONPATH")])])
     procs = {
         arch: subprocess.Popen([sys.executable, "-m", module, "--json", arch], cwd=repo, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -234,6 +237,24 @@ def compile_in_subprocesses(module: str, archs, timeout: float = 900) -> dict:
         for r in json.loads(out):
             results[(r["arch"], r["op"], r["label"])] = r
     return results
+
+
+# The Triton of the GPU image the kernel must also run on (torch 2.11 / Triton 3.6): its compiler
+# differs from 3.8's in what it folds (a branch on a jitted helper's constexpr result is compiled
+# on both sides by 3.6), so the compile checks run under both.
+OTHER_TRITON = "3.6.0"
+
+
+def triton_install(version: str = OTHER_TRITON) -> Path:
+    """A directory holding Triton ``version`` (pip's wheel, no dependencies), made once per
+    machine under ~/.cache/vllm-mla-fusion; put it first on ``PYTHONPATH`` to compile with it."""
+    target = Path.home() / ".cache" / "vllm-mla-fusion" / f"triton-{version}-py{sys.version_info[0]}{sys.version_info[1]}"
+    marker = target / ".complete"
+    if not marker.exists():
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
+                        "--target", str(target), f"triton=={version}"], check=True)  # fmt: skip
+        marker.write_text(version)
+    return target
 
 
 def table(results: list[dict], intro: str, columns: dict) -> str:

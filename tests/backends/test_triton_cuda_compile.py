@@ -9,6 +9,10 @@ conversion exactly where ``_native_fp8_ok`` says sm_90 has it (e4m3fn, e5m2; the
 bit encoder for e4m3fnuz), and programmatic dependent launch's instructions in
 every variant (``_pdl_ok``). Registers per thread and a hash of each variant's
 PTX: ``python -m tests.cuda_compile``. ~40 s: one subprocess.
+
+The same checks run under the GPU image's Triton (``aot_compile.OTHER_TRITON``, 3.6,
+installed once per machine from pip, ~190 MB): its compiler folds less than 3.8's,
+and a kernel that compiles only under 3.8 fails on that GPU before it runs.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import pytest
 
 pytest.importorskip("triton", reason="compiles the Triton kernel")
 
-from ..aot_compile import compile_in_subprocesses  # noqa: E402
+from ..aot_compile import OTHER_TRITON, compile_in_subprocesses, triton_install  # noqa: E402
 from ..cuda_compile import ARCHS, FP8, variants  # noqa: E402
 
 # The fp8 formats sm_89 and later convert in hardware, and the instruction that does.
@@ -26,9 +30,10 @@ FP8_SATURATING, FP8_BITS = 1, 2  # the store modes of backends/triton.py (_FP8_S
 VARIANTS = variants()
 
 
-@pytest.fixture(scope="module")
-def compiled() -> dict:
-    return compile_in_subprocesses("tests.cuda_compile", ARCHS)
+@pytest.fixture(scope="module", params=["installed", OTHER_TRITON], ids=lambda t: f"triton-{t}")
+def compiled(request) -> dict:
+    triton_dir = None if request.param == "installed" else triton_install(request.param)
+    return compile_in_subprocesses("tests.cuda_compile", ARCHS, triton_dir=triton_dir)
 
 
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: f"{v.op}-{v.label}")
@@ -54,3 +59,15 @@ def test_hardware_fp8_conversion_exactly_where_the_gpu_has_it(compiled, arch, v)
     # Programmatic dependent launch on sm_90: the kernel waits for its inputs, then lets the next one start.
     assert r["pdl"] is True
     assert r["griddepcontrol"] == ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
+
+
+def test_the_other_triton_is_the_one_its_compile_imports():
+    """The second run above compiles with OTHER_TRITON, not the environment's Triton."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(triton_install()), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", "import triton; print(triton.__version__)"], env=env, check=True,
+                         capture_output=True, text=True).stdout.strip()  # fmt: skip
+    assert out == OTHER_TRITON
