@@ -15,6 +15,12 @@ differently from every GPU it targets:
 the fma in float64 with an error-free sum and round-to-odd before the final
 rounding to float32 (exact: 53 >= 24 + 2 bits), the bf16 cast by torch's own
 round-to-nearest-even. Everything else of the interpreter is unchanged.
+
+One thing it changes the other way: Triton 3.8 negates a float (``-v``) with a
+true negation, while Triton 3.6 (the GPU image's) compiles ``-v`` as ``0 - v``,
+which is +0, not -0, for ``v = +0``. The interpreter's negation does the same
+as 3.6's, so that a kernel whose zeros' signs depend on a negation fails here
+as it would there (a residual step once turned -0 quotients into +0 on an H100).
 ``tests/backends/test_triton.py`` checks both against exact rational
 arithmetic and through a kernel, so a Triton upgrade that renames the hooks
 fails loudly instead of silently running the old rounding.
@@ -65,7 +71,7 @@ def install() -> None:
     from triton.runtime import interpreter
 
     builder = interpreter.InterpreterBuilder
-    for hook in ("create_fma", "cast_impl"):
+    for hook in ("create_fma", "cast_impl", "create_fneg", "unary_op"):
         if not callable(getattr(builder, hook, None)):
             raise RuntimeError(f"Triton's InterpreterBuilder has no {hook}; update tests/exact_interpreter.py")
     handle = interpreter.TensorHandle
@@ -81,6 +87,10 @@ def install() -> None:
             return handle(rne_bf16_bits(src.data), dst_type.scalar)
         return original_cast(self, src, dst_type)
 
+    def create_fneg(self, x):
+        return self.unary_op(x, lambda a: np.zeros_like(a) - a)  # Triton 3.6's 0 - v
+
     builder.create_fma = create_fma
     builder.cast_impl = cast_impl
+    builder.create_fneg = create_fneg
     _installed = True
