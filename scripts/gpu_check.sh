@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project checks on a GPU, in one call (device time is scarce):
-#   scripts/gpu_check.sh [tests] [sanitizer] [memcheck] [bench] [quickbench] [epilogue] [hostcost] [ncu] [tune]
+#   scripts/gpu_check.sh [tests] [sanitizer] [memcheck] [bench] [quickbench] [epilogue] [hostcost] [ncu] [tune] [ab]
 #   (default: tests sanitizer bench)
 # Logs and results go under $OUT (default ./gpu_out). Needs torch + triton + pytest; no vLLM.
 # AITER's Triton op joins the cross-check test and the benchmark when third_party_aiter/ is
@@ -76,6 +76,24 @@ for stage in $stages; do
   tune)
     echo "== launch tuner (issue 10 shapes)"
     python3 -m benchmarks.kernels.tune_launch --focus --grid --out "$OUT" 2>&1 | tee "$OUT/tune.log" | grep -v "^   config" || status=1
+    ;;
+  ab)
+    # Before against after: the package in .baseline/ (carried; made by `mkdir -p .baseline && git archive
+    # BASE vllm_mla_fusion | tar -x -C .baseline`) against this checkout's, with this checkout's benchmark,
+    # in one process each, alternating twice so that drift shows. AB_ARGS: the benchmark's options.
+    echo "== benchmark: .baseline ($(cat .baseline/COMMIT 2>/dev/null || echo '?')) against this checkout"
+    [ -d .baseline/vllm_mla_fusion ] || { echo "no .baseline/vllm_mla_fusion: carry it"; status=1; continue; }
+    mkdir -p "$OUT/ab"
+    for run in 1 2; do
+      for side in base new; do
+        path=$PWD; [ $side = base ] && path=$PWD/.baseline:$PWD
+        # shellcheck disable=SC2086 # AB_ARGS is a list of options
+        PYTHONPATH=$path python3 -P -m benchmarks.kernels.bench_mla_rope_cache --out "$OUT/ab/${side}_$run" --no-plot \
+          ${AB_ARGS:---sections sweep epilogue --quick --impls triton --tokens 1 16 64 256 1024 4096 16384} \
+          >"$OUT/ab/${side}_$run.log" 2>&1 || status=1
+        echo "$side $run: $(grep -c ' ours ' "$OUT/ab/${side}_$run.log") rows, $(grep -v '^Legend' "$OUT/ab/${side}_$run.log" | grep -c '!\|ERR') failed"
+      done
+    done
     ;;
   *) echo "unknown stage $stage"; status=2 ;;
   esac
