@@ -79,18 +79,21 @@ for stage in $stages; do
     ;;
   ab)
     # Before against after: the package in .baseline/ (carried; made by `mkdir -p .baseline && git archive
-    # BASE vllm_mla_fusion | tar -x -C .baseline`) against this checkout's, with this checkout's benchmark,
-    # in one process each, alternating twice so that drift shows. AB_ARGS: the benchmark's options.
+    # BASE vllm_mla_fusion | tar -x -C .baseline && git rev-parse BASE >.baseline/COMMIT`) against this
+    # checkout's, with this checkout's benchmark, in one process each, alternating twice so that drift
+    # shows; each log starts with the package it imported. AB_ARGS: the benchmark's options.
     echo "== benchmark: .baseline ($(cat .baseline/COMMIT 2>/dev/null || echo '?')) against this checkout"
     [ -d .baseline/vllm_mla_fusion ] || { echo "no .baseline/vllm_mla_fusion: carry it"; status=1; continue; }
     mkdir -p "$OUT/ab"
     for run in 1 2; do
       for side in base new; do
         path=$PWD; [ $side = base ] && path=$PWD/.baseline:$PWD
+        PYTHONPATH=$path python3 -P -c "import vllm_mla_fusion as m; print('package:', m.__file__)" \
+          >"$OUT/ab/${side}_$run.log" 2>&1
         # shellcheck disable=SC2086 # AB_ARGS is a list of options
         PYTHONPATH=$path python3 -P -m benchmarks.kernels.bench_mla_rope_cache --out "$OUT/ab/${side}_$run" --no-plot \
           ${AB_ARGS:---sections sweep epilogue --quick --impls triton --tokens 1 16 64 256 1024 4096 16384} \
-          >"$OUT/ab/${side}_$run.log" 2>&1 || status=1
+          >>"$OUT/ab/${side}_$run.log" 2>&1 || status=1
         echo "$side $run: $(grep -c ' ours ' "$OUT/ab/${side}_$run.log") rows, $(grep -v '^Legend' "$OUT/ab/${side}_$run.log" | grep -c '!\|ERR') failed"
       done
     done

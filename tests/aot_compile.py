@@ -241,19 +241,51 @@ def compile_in_subprocesses(module: str, archs, timeout: float = 900, triton_dir
 
 # The Triton of the GPU image the kernel must also run on (torch 2.11 / Triton 3.6): its compiler
 # differs from 3.8's in what it folds (a branch on a jitted helper's constexpr result is compiled
-# on both sides by 3.6), so the compile checks run under both.
+# on both sides by 3.6), so the sm_90 compile check runs under both (the ROCm one under the
+# installed Triton only).
 OTHER_TRITON = "3.6.0"
 
 
 def triton_install(version: str = OTHER_TRITON) -> Path:
-    """A directory holding Triton ``version`` (pip's wheel, no dependencies), made once per
-    machine under ~/.cache/vllm-mla-fusion; put it first on ``PYTHONPATH`` to compile with it."""
-    target = Path.home() / ".cache" / "vllm-mla-fusion" / f"triton-{version}-py{sys.version_info[0]}{sys.version_info[1]}"
-    marker = target / ".complete"
-    if not marker.exists():
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
-                        "--target", str(target), f"triton=={version}"], check=True)  # fmt: skip
-        marker.write_text(version)
+    """A directory holding Triton ``version`` (pip's wheel, no dependencies, ~640 MB installed),
+    made once per machine beside the test environment (``$XDG_CACHE_HOME`` or ``~/.cache``, under
+    vllm-mla-fusion/); put it first on ``PYTHONPATH`` to compile with it.
+
+    Installed into a fresh directory under a lock, checked by importing it, then renamed into
+    place: an interrupted install or two test processes at once never leave a partial tree that a
+    later run would take for a whole one."""
+    import fcntl
+    import shutil
+    import tempfile
+
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm-mla-fusion"
+    target = base / f"triton-{version}-py{sys.version_info[0]}{sys.version_info[1]}"
+    if (target / ".complete").exists():
+        return target
+    base.mkdir(parents=True, exist_ok=True)
+    with open(base / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other process's install, if any, finishes first
+        if (target / ".complete").exists():
+            return target
+        staging = Path(tempfile.mkdtemp(dir=base, prefix=f"{target.name}.partial-"))
+        staging.chmod(0o755)
+        try:
+            pip = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
+                                  "--target", str(staging), f"triton=={version}"],
+                                 capture_output=True, text=True)  # fmt: skip
+            if pip.returncode != 0:
+                raise RuntimeError(f"installing triton=={version} for the compile check failed (it needs the package "
+                                   f"index):\n{pip.stderr[-2000:]}")  # fmt: skip
+            probe = subprocess.run([sys.executable, "-c", "import triton; print(triton.__version__)"],
+                                   env={**os.environ, "PYTHONPATH": str(staging)}, capture_output=True, text=True)
+            if probe.stdout.strip() != version:
+                raise RuntimeError(f"triton=={version} installed in {staging} imports as {probe.stdout.strip()!r}: "
+                                   f"{probe.stderr[-1000:]}")  # fmt: skip
+            (staging / ".complete").write_text(version)
+            shutil.rmtree(target, ignore_errors=True)  # a partial tree of an older, unlocked install
+            os.rename(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

@@ -70,6 +70,12 @@ PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\
 PTXAS_REGS = re.compile(r"Used (\d+) registers")
 
 
+def triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
 def report(arch: str, v: aot.Variant, dump: Path | None = None) -> dict:
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -87,7 +93,7 @@ def report(arch: str, v: aot.Variant, dump: Path | None = None) -> dict:
     stack, spill_stores, spill_loads = map(int, frame.groups())
     ptx = c.kernel.asm["ptx"]
     return dict(
-        c.fields(arch, v), pdl=c.kwargs["USE_PDL"],
+        c.fields(arch, v), triton=triton_version(), pdl=c.kwargs["USE_PDL"],
         regs=int(regs.group(1)), stack=stack, spill_stores=spill_stores, spill_loads=spill_loads,
         shared=c.kernel.metadata.shared,
         fp8_cvt=sorted(set(FP8_CVT.findall(ptx))), griddepcontrol=sorted(set(GRIDDEP.findall(ptx))),

@@ -14,16 +14,19 @@ differently from every GPU it targets:
 :func:`install` replaces those two builder methods with IEEE-exact versions:
 the fma in float64 with an error-free sum and round-to-odd before the final
 rounding to float32 (exact: 53 >= 24 + 2 bits), the bf16 cast by torch's own
-round-to-nearest-even. Everything else of the interpreter is unchanged.
+round-to-nearest-even. ``tests/backends/test_triton.py`` checks both against
+exact rational arithmetic and through a kernel, so a Triton upgrade that renames
+the hooks fails loudly instead of silently running the old rounding.
 
-One thing it changes the other way: Triton 3.8 negates a float (``-v``) with a
-true negation, while Triton 3.6 (the GPU image's) compiles ``-v`` as ``0 - v``,
-which is +0, not -0, for ``v = +0``. The interpreter's negation does the same
-as 3.6's, so that a kernel whose zeros' signs depend on a negation fails here
-as it would there (a residual step once turned -0 quotients into +0 on an H100).
-``tests/backends/test_triton.py`` checks both against exact rational
-arithmetic and through a kernel, so a Triton upgrade that renames the hooks
-fails loudly instead of silently running the old rounding.
+It also changes one thing the other way. Triton 3.8 negates a float (``-v``)
+with a true negation, while Triton 3.6 (the GPU image's) compiles ``-v`` as
+``0 - v``, which is +0, not -0, for ``v = +0``. The interpreter's negation does
+as 3.6's, so that a kernel whose zeros' signs rest on a negation fails here as it
+would there (a residual step once turned -0 quotients into +0 on an H100;
+``test_the_interpreter_negates_as_triton_3_6_compiles`` checks the hook). The
+two Tritons differ there, so where a zero's sign matters the kernel multiplies
+by -1 instead, which both compile alike. Everything else of the interpreter is
+unchanged.
 
 What CI still cannot show (the ``gpu`` tests do): the GPU's own fp8
 conversion instructions, the compiler's contraction of ``a * b + c`` into fma

@@ -13,6 +13,8 @@ first the quotient itself, then the stored fp8 code.
 
 from __future__ import annotations
 
+import os
+
 from fractions import Fraction
 
 import numpy as np
@@ -101,6 +103,26 @@ def test_kernel_fma_and_bf16_cast_are_exact():
     want = exact_fma32(x.numpy(), y.numpy(), z.numpy())
     assert np.array_equal(fma_out.cpu().numpy().view(np.uint32), want.view(np.uint32))
     assert torch.equal(bf16_out.cpu().view(torch.int16), (x * y).to(torch.bfloat16).view(torch.int16))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="checks the interpreter's emulation of Triton 3.6")
+def test_the_interpreter_negates_as_triton_3_6_compiles():
+    """Through a real kernel in the interpreter: ``-x`` is ``0 - x`` (tests/exact_interpreter.py),
+    +0 for both zeros, as Triton 3.6 compiles it; a Triton whose unary minus bypasses the patched
+    hook fails here, not silently in the op tests."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    @triton.jit
+    def probe(x_ptr, out_ptr, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(out_ptr + i, -tl.load(x_ptr + i))
+
+    x = torch.tensor([0.0, -0.0, 1.5, -2.0, 0.0, -0.0, 3.0, -4.0])
+    out = torch.full_like(x, 7.0)
+    probe[(1,)](x, out, BLOCK=8)
+    want = torch.tensor([0.0, 0.0, -1.5, 2.0, 0.0, 0.0, -3.0, 4.0])
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32)), out.tolist()
 
 
 def kernel_quotient(x: np.ndarray, scale: np.float32, fp8_max: float) -> np.ndarray:

@@ -23,7 +23,8 @@ from . import harness  # noqa: E402 - after the platform choice
 # AMX is hidden from vLLM before any test builds anything (demo/cpu_stand_ins.py says why).
 cpu_stand_ins.hide_amx()
 
-PLUGIN_ENV = ("VLLM_MLA_FUSION", "VLLM_MLA_FUSION_DECODE", "VLLM_PLUGINS")
+PLUGIN_ENV = ("VLLM_MLA_FUSION", "VLLM_MLA_FUSION_DECODE", "VLLM_MLA_FUSION_DEBUG", "VLLM_MLA_FUSION_BACKEND",
+              "VLLM_PLUGINS")  # fmt: skip
 
 
 @pytest.fixture(autouse=True)

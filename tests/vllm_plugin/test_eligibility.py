@@ -256,6 +256,9 @@ def test_the_info_line_says_when_the_rope_moves_into_piecewise_graphs(vllm_cpu, 
 def test_debug_mode_is_warned_once_at_start_up(vllm_cpu, plugin_on, as_rank_3, monkeypatch, caplog):
     """VLLM_MLA_FUSION_DEBUG syncs every fused call: a server started with it says so, once per rank,
     beside the backend line (a serving comparison's plugin side would otherwise measure it unseen)."""
+    from vllm.logger import _print_warning_once
+
+    _print_warning_once.cache_clear()  # a line an earlier test logged would be dropped as a repeat
     monkeypatch.setenv("VLLM_MLA_FUSION_DEBUG", "1")
     with caplog.at_level(logging.INFO, logger=PLUGIN_LOGGER):
         for _ in range(2):
@@ -266,18 +269,25 @@ def test_debug_mode_is_warned_once_at_start_up(vllm_cpu, plugin_on, as_rank_3, m
 
 
 @pytest.mark.parametrize("debug", [None, "0", "1"])
-@pytest.mark.parametrize("backend, device", [("torch", "cpu"), ("torch", "cuda"), ("triton", "cuda"), ("aiter", "cuda")])
-def test_slow_settings_name_debug_mode_and_the_reference_on_a_gpu(monkeypatch, debug, backend, device):
+@pytest.mark.parametrize("requested", [None, "torch", "auto"])
+@pytest.mark.parametrize("backend, device", [("torch", "cpu"), ("torch", "cuda"), ("torch", "xpu"), ("triton", "cuda"),
+                                             ("aiter", "cuda")])  # fmt: skip
+def test_slow_settings_name_debug_mode_and_the_reference_asked_for_on_a_gpu(monkeypatch, debug, requested, backend,
+                                                                            device):  # fmt: skip
+    """Said: VLLM_MLA_FUSION_DEBUG when on; the reference backend when the user asked for it by name
+    and it runs on a device other than the CPU (not the automatic choice, e.g. XPU's)."""
     from vllm_mla_fusion.vllm_plugin.layer import slow_settings
 
-    if debug is None:
-        monkeypatch.delenv("VLLM_MLA_FUSION_DEBUG", raising=False)
-    else:
-        monkeypatch.setenv("VLLM_MLA_FUSION_DEBUG", debug)
+    for name, value in (("VLLM_MLA_FUSION_DEBUG", debug), ("VLLM_MLA_FUSION_BACKEND", requested)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     said = slow_settings(backend, torch.device(device))
-    assert [s.split(" ")[0] for s in said] == (["VLLM_MLA_FUSION_DEBUG"] if debug == "1" else []) + (
-        ["the"] if (backend, device) == ("torch", "cuda") else []
-    ), said
+    debug_said = [s for s in said if s.startswith("VLLM_MLA_FUSION_DEBUG is set")]
+    backend_said = [s for s in said if s.startswith("VLLM_MLA_FUSION_BACKEND=torch")]
+    assert len(debug_said) == (debug == "1") and len(said) == len(debug_said) + len(backend_said), said
+    assert len(backend_said) == (backend == "torch" and device != "cpu" and requested == "torch"), said
 
 
 def test_decode_pair_backends_are_recognised_by_name_and_subclass():

@@ -49,7 +49,7 @@ from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
 from vllm.models.common.ops import fused_q_kv_rmsnorm
 from vllm.utils.torch_utils import _encode_layer_name
 
-from .. import validation
+from .. import dispatch, validation
 from . import eligibility
 
 logger = init_logger("vllm.vllm_mla_fusion.layer")
@@ -74,19 +74,20 @@ def rank_label() -> str:
 
 
 def slow_settings(backend: str, device: torch.device) -> list[str]:
-    """Settings that make a GPU server's fused layers slower, each said once per rank at start-up:
-    a serving comparison whose plugin side runs with one of them measures the setting, and the log
-    is where whoever reads the comparison finds it."""
+    """Settings the user chose that make a server's fused layers slower, each said once per rank at
+    start-up: a serving comparison whose plugin side runs with one of them measures the setting,
+    and the log is where whoever reads the comparison finds it. (The reference backend that the
+    automatic choice takes where no kernel runs, e.g. on a CPU, is no such setting.)"""
     slow = []
     if validation.debug_enabled():
         slow.append(
             "VLLM_MLA_FUSION_DEBUG is set: every fused call checks its index values on the host and "
-            "waits for the GPU, so steps outside CUDA graphs (prefill and mixed steps) are slower; unset it to serve"
+            "waits for the device, so steps outside CUDA graphs (prefill and mixed steps) are slower; unset it to serve"
         )
-    if backend == "torch" and device.type != "cpu":
+    if backend == "torch" and device.type != "cpu" and dispatch.requested_backend() == "torch":
         slow.append(
-            "the torch reference backend runs on the GPU (VLLM_MLA_FUSION_BACKEND=torch): each fused call "
-            "is tens of torch ops, for checking the kernels, not for serving"
+            f"VLLM_MLA_FUSION_BACKEND=torch runs the reference backend on the {device.type} device: each fused "
+            "call is tens of torch ops, for checking the kernels, not for serving"
         )
     return slow
 
