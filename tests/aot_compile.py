@@ -224,7 +224,7 @@ def compile_in_subprocesses(module: str, archs, timeout: float = 900, triton_dir
     repo = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and not k.startswith("VLLM_MLA_FUSION")}
     if triton_dir is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(triton_dir), *filter(None, [env.get("PYTHONPATH")])])
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(triton_dir), env.get("PYTHONPATH")]))
     procs = {
         arch: subprocess.Popen([sys.executable, "-m", module, "--json", arch], cwd=repo, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip

@@ -14,7 +14,6 @@ first the quotient itself, then the stored fp8 code.
 from __future__ import annotations
 
 import os
-
 from fractions import Fraction
 
 import numpy as np

@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("triton", reason="compiles the Triton kernel")
 
 from ..aot_compile import OTHER_TRITON, compile_in_subprocesses, triton_install  # noqa: E402
-from ..cuda_compile import ARCHS, FP8, variants  # noqa: E402
+from ..cuda_compile import ARCHS, FP8, triton_version, variants  # noqa: E402
 
 # The fp8 formats sm_89 and later convert in hardware, and the instruction that does.
 CVT = {"float8_e4m3fn": "cvt.rn.satfinite.e4m3x2.f32", "float8_e5m2": "cvt.rn.satfinite.e5m2x2.f32"}
@@ -37,7 +37,7 @@ def compiled(request) -> dict:
     results = compile_in_subprocesses("tests.cuda_compile", ARCHS, triton_dir=triton_dir)
     # Compiled by the Triton asked for: the environment's, or OTHER_TRITON from its directory.
     versions = {r["triton"] for r in results.values()}
-    assert versions == ({installed_triton()} if triton_dir is None else {request.param}), versions
+    assert versions == ({triton_version()} if triton_dir is None else {request.param}), versions
     return results
 
 
@@ -64,9 +64,3 @@ def test_hardware_fp8_conversion_exactly_where_the_gpu_has_it(compiled, arch, v)
     # Programmatic dependent launch on sm_90: the kernel waits for its inputs, then lets the next one start.
     assert r["pdl"] is True
     assert r["griddepcontrol"] == ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
-
-
-def installed_triton() -> str:
-    import triton
-
-    return triton.__version__
