@@ -8,7 +8,8 @@ the GPU machine), started while the server starts. It waits for the driver's go-
 
 Per load it appends one line to the spec's ``progress`` file (JSON lines, so that a
 kill leaves what was done): the load, the seconds it took, the server's prefix-cache
-counters before and after (from /metrics), the size of the server's log before and after
+counters and latency histograms before and after (from /metrics), the CPU time of the
+server's processes and its own, the size of the server's log before and after
 (the driver reads which kernels compiled during the load from the bytes between), and any
 error. A load whose estimate no longer fits the deadline is recorded as skipped and not
 started. A profiled load (its spec has ``profile``) runs inside one profiling session of the
@@ -42,7 +43,7 @@ def run(spec: dict) -> int:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from . import step_profile
-    from .server import prefix_cache_counters
+    from .server import latency_means_ms, metrics_text, parse_latency_sums, parse_prefix_cache_counters, process_tree_cpu_s
 
     progress = Path(spec["progress"])
     go, stop = Path(spec["go_file"]), Path(spec["stop_file"])
@@ -62,8 +63,11 @@ def run(spec: dict) -> int:
         parser = FlexibleArgumentParser(prog="vllm bench serve")
         add_cli_args(parser)
         args = parser.parse_args(load["args"])
-        before = prefix_cache_counters(spec["port"])
+        before = metrics_text(spec["port"])
         log_before = _size(spec.get("server_log"))
+        server_pid = spec.get("server_pid")
+        cpu_before = process_tree_cpu_s(server_pid) if server_pid else None
+        client_cpu_before = time.process_time()
         t = time.monotonic()
         session = load.get("profile")
         try:
@@ -81,12 +85,21 @@ def run(spec: dict) -> int:
             entry["traceback"] = traceback.format_exc()[-3000:]
             failures += 1
         entry["wall_s"] = time.monotonic() - t
+        # Where the host's time went during the load (each process's CPU seconds; the load's wall
+        # time divides them into cores kept busy) and the server's own latencies, to tell the engine's
+        # time from the API server's and the client's (server.LATENCY_HISTOGRAMS).
+        entry["client_cpu_s"] = time.process_time() - client_cpu_before
+        cpu_after = process_tree_cpu_s(server_pid) if server_pid else None
+        if cpu_before is not None and cpu_after is not None:
+            entry["server_cpu_s"] = {k: v - cpu_before.get(k, 0.0) for k, v in cpu_after.items()}
         log_after = _size(spec.get("server_log"))
         if log_before is not None and log_after is not None:
             entry["server_log_bytes"] = [log_before, log_after]
-        after = prefix_cache_counters(spec["port"])
+        after = metrics_text(spec["port"])
         if before is not None and after is not None:
-            entry["prefix_cache"] = {k: after[k] - before[k] for k in after}
+            counts = parse_prefix_cache_counters(before), parse_prefix_cache_counters(after)
+            entry["prefix_cache"] = {k: counts[1][k] - counts[0][k] for k in counts[1]}
+            entry["server_latency_ms"] = latency_means_ms(parse_latency_sums(before), parse_latency_sums(after))
         _record(progress, entry)
     return 1 if failures else 0
 

@@ -63,13 +63,15 @@ def comparison_pairs(sides: list[str]) -> list[tuple[str, str]]:
 
 
 def summarize(results: list[dict], sides: list[str], layers: int, prefix_cache: dict | None = None,
-              compiles: dict | None = None) -> dict:  # fmt: skip
+              compiles: dict | None = None, hosts: dict | None = None) -> dict:  # fmt: skip
     """Per load: per side every server's figures and their spread; the comparisons; problems seen.
 
     ``prefix_cache``: (server, load) -> the server's prefix-cache token counters over that load.
     ``compiles``: (server, load) -> the kernels the server compiled during that load (server.kernel_compiles).
+    ``hosts``: (server, load) -> the client's progress entry for that load (its CPU times and the
+    server's own latencies, client.py), summarized by ``host_figures``.
     """
-    prefix_cache, compiles = prefix_cache or {}, compiles or {}
+    prefix_cache, compiles, hosts = prefix_cache or {}, compiles or {}, hosts or {}
     loads: dict[str, dict] = {}
     for r in results:
         load = loads.setdefault(r["load"], {"sides": {}, "problems": []})
@@ -82,6 +84,8 @@ def summarize(results: list[dict], sides: list[str], layers: int, prefix_cache: 
             server["prefix_cache_hit_fraction"] = counters["hits"] / counters["queries"]
         if key in compiles:
             server["kernel_compiles"] = compiles[key]
+        if key in hosts and (host := host_figures(hosts[key], r)):
+            server["host"] = host
         if r.get("failed") or r.get("completed") != r.get("num_prompts"):
             load["problems"].append(f"server {r['server']} ({r['side']}): {r.get('completed')} of "
                                     f"{r.get('num_prompts')} requests completed, {r.get('failed')} failed")  # fmt: skip
@@ -108,6 +112,62 @@ def summarize(results: list[dict], sides: list[str], layers: int, prefix_cache: 
                 row["metrics"][name] = m
             load["comparisons"].append(row)
     return loads
+
+
+def host_figures(entry: dict, result: dict) -> dict | None:
+    """Where one server's load spent the host's time, and the server's latencies against the client's.
+
+    ``cores``: CPU seconds of each server process (by role) and of the client over the load's wall
+    time: 1.0 is one core kept busy. An API server near 1.0 cannot keep up with the engine's
+    outputs; it then streams several tokens per message, which the client's ITL counts as one
+    interval: ``tokens_per_message`` (the client's mean ITL over its mean TPOT) says how many.
+    ``server_ms``: vLLM's own means over the load (server.LATENCY_HISTOGRAMS), beside the client's
+    ``client_ms`` means.
+    """
+    wall = entry.get("wall_s")
+    out: dict = {}
+    if wall and "server_cpu_s" in entry:
+        out["cores"] = {role: cpu / wall for role, cpu in sorted(entry["server_cpu_s"].items())}
+        if "client_cpu_s" in entry:
+            out["cores"]["client"] = entry["client_cpu_s"] / wall
+    if entry.get("server_latency_ms"):
+        out["server_ms"] = entry["server_latency_ms"]
+    client = {k: result.get(f"mean_{k}_ms") for k in ("ttft", "itl", "tpot")}
+    if all(isinstance(v, (int, float)) for v in client.values()):
+        out["client_ms"] = client
+        if client["tpot"]:
+            out["tokens_per_message"] = client["itl"] / client["tpot"]
+    return out or None
+
+
+def _host_lines(load: dict, sides: list[str]) -> list[str]:
+    """The per-server table of host_figures: engine, API server and client, and what each saw."""
+    rows = [(s, v) for s in sides for v in load["sides"][s]["servers"] if "host" in v]
+    if not rows:
+        return []
+
+    def engine_cores(cores: dict) -> float:
+        return sum(c for role, c in cores.items() if role.startswith("EngineCore"))
+
+    def fmt(x, digits: int = 1) -> str:
+        return "-" if x is None else f"{x:.{digits}f}"
+
+    lines = ["", "Host and server-side latencies per server (cores: CPU time over the load's wall time; "
+             "server: vLLM's /metrics means, queue + prefill being the engine's share of TTFT; client: "
+             "`vllm bench serve`'s means; tokens per message: client ITL / TPOT):", "",
+             "| server | side | API server cores | engine cores | client cores | TTFT server / client ms | "
+             "queue + prefill ms | ITL server / client ms | tokens per message |", "|" + "---|" * 9]  # fmt: skip
+    for side, v in rows:
+        h = v["host"]
+        cores, srv, cli = h.get("cores", {}), h.get("server_ms", {}), h.get("client_ms", {})
+        engine = engine_cores(cores) if cores else None
+        qp = srv["queue"] + srv["prefill"] if {"queue", "prefill"} <= srv.keys() else None
+        per_message = f"{h['tokens_per_message']:.2f}" if "tokens_per_message" in h else "-"
+        lines.append(f"| {v['server']} | {side} | {fmt(cores.get('api_server'), 2)} | {fmt(engine, 2)} | "
+                     f"{fmt(cores.get('client'), 2)} | {fmt(srv.get('ttft'))} / {fmt(cli.get('ttft'))} | {fmt(qp)} | "
+                     f"{fmt(srv.get('itl'))} / {fmt(cli.get('itl'))} | "
+                     f"{per_message} |")  # fmt: skip
+    return lines
 
 
 def _cell(summary: dict | None, fmt: str) -> str:
@@ -179,6 +239,7 @@ def markdown(report: dict) -> str:
         if hits:
             lines.append(f"\nPrefix-cache hits (share of prompt tokens, per server): {'; '.join(hits)}.")
         lines += _compiles_line(load, sides)
+        lines += _host_lines(load, sides)
         for problem in load["problems"]:
             lines.append(f"\n**Problem:** {problem}")
     warmups = [f"server {v['index']} ({v['side']}) {e['load']}: {len(e['kernel_compiles'])}"

@@ -399,7 +399,7 @@ class Benchmark:
         log_path = self.server_log_path(index, side)
         for _attempt in range(3):
             server = Server(self.server_spec(), side, self.side_env(side), log_path)
-            client = self.start_client(index, side, server.port, scale)
+            client = self.start_client(index, side, server.port, scale, server.proc.pid)
             log(f"server {index} ({side.name}): starting on port {server.port}, {'warm' if warm else 'cold'} compile cache")
             try:
                 record["start_s"] = server.wait_healthy(min(self.start_timeout_s(), max(self.left_s(), 1.0)))
@@ -461,7 +461,7 @@ class Benchmark:
             log(f"server {index} ({side.name}): {entry['load']} profiled, {summary['steps']} steps ({kinds}), "
                 f"read in {summary['read_s']} s")  # fmt: skip
 
-    def client_spec(self, index: int, side: Side, port: int, scale: float) -> dict:
+    def client_spec(self, index: int, side: Side, port: int, scale: float, server_pid: int | None = None) -> dict:
         a = self.args
         loads = []
         for k, load in enumerate(a.load_list):
@@ -482,6 +482,7 @@ class Benchmark:
                                         "skip": load.profile_skip, "steps": load.profile_steps}  # fmt: skip
         return {
             "port": port,
+            "server_pid": server_pid,
             "loads": loads,
             "deadline": self.deadline - TEARDOWN_S,
             "go_file": str(self.work / f"go-{index:02d}"),
@@ -493,8 +494,9 @@ class Benchmark:
     def server_log_path(self, index: int, side: Side) -> Path:
         return self.logs_dir / f"server-{index:02d}-{side.slug}.log"
 
-    def start_client(self, index: int, side: Side, port: int, scale: float) -> subprocess.Popen:
-        spec = self.client_spec(index, side, port, scale)
+    def start_client(self, index: int, side: Side, port: int, scale: float, server_pid: int | None = None
+                     ) -> subprocess.Popen:  # fmt: skip
+        spec = self.client_spec(index, side, port, scale, server_pid)
         for name in ("go_file", "stop_file", "progress"):
             Path(spec[name]).unlink(missing_ok=True)
         spec_path = self.logs_dir / f"client-{index:02d}.json"
@@ -565,9 +567,10 @@ class Benchmark:
     def write_report(self) -> dict:
         a = self.args
         servers = self.state["servers"]
-        prefix_cache, compiles = {}, {}
+        prefix_cache, compiles, hosts = {}, {}, {}
         for s in servers:
             for entry in s.get("loads", []):
+                hosts[(s["index"], entry["load"])] = entry
                 if "prefix_cache" in entry:
                     prefix_cache[(s["index"], entry["load"])] = entry["prefix_cache"]
                 if "kernel_compiles" in entry:
@@ -590,7 +593,8 @@ class Benchmark:
             "servers": servers,
             "servers_measured": sum(1 for s in servers if s.get("loads")),
             "servers_per_side_measured": {n: sum(1 for s in servers if s["side"] == n and s.get("loads")) for n in sides},
-            "loads": report.summarize(report.read_results(self.results_dir), sides, a.layers, prefix_cache, compiles),
+            "loads": report.summarize(report.read_results(self.results_dir), sides, a.layers, prefix_cache, compiles,
+                                      hosts),
             "probe": self.probe_summary() if a.probe else None,
             "step_profile": step_profile.compare_sides(servers) if self.profiled else None,
             "problems": [],

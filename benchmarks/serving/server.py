@@ -132,14 +132,19 @@ def kernel_compiles(log: str) -> list[str]:
             for m in KERNEL_COMPILE_LINE.finditer(log)]
 
 
-def prefix_cache_counters(port: int, timeout_s: float = 5.0) -> dict[str, float] | None:
-    """vLLM's prefix-cache counters from /metrics (tokens queried and hit, summed over engines)."""
+def metrics_text(port: int, timeout_s: float = 5.0) -> str | None:
+    """The server's /metrics page (Prometheus text), or None when it does not answer."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as r:
-            text = r.read().decode()
+            return r.read().decode()
     except OSError:
         return None
-    return parse_prefix_cache_counters(text)
+
+
+def prefix_cache_counters(port: int, timeout_s: float = 5.0) -> dict[str, float] | None:
+    """vLLM's prefix-cache counters from /metrics (tokens queried and hit, summed over engines)."""
+    text = metrics_text(port, timeout_s)
+    return None if text is None else parse_prefix_cache_counters(text)
 
 
 def parse_prefix_cache_counters(metrics_text: str) -> dict[str, float]:
@@ -149,6 +154,70 @@ def parse_prefix_cache_counters(metrics_text: str) -> dict[str, float]:
         if m:
             totals[m.group(1)] += float(m.group(2))
     return totals
+
+
+# The server's own latency histograms (vLLM 0.33's /metrics, seconds). Their sums and counts over a
+# load give the engine's and the API server's view of each request, to set against the client's:
+# queue (arrival at the engine to first scheduled) and prefill (scheduled to first token) are engine
+# timestamps; ttft and itl are taken where the API server turns engine outputs into request outputs,
+# before they are streamed. A client-side TTFT or ITL well above the server's is time spent
+# between the two: an API server or client that cannot keep up (it then sends several tokens in
+# one stream message).
+LATENCY_HISTOGRAMS = {
+    "ttft": "time_to_first_token_seconds",
+    "itl": "inter_token_latency_seconds",
+    "queue": "request_queue_time_seconds",
+    "prefill": "request_prefill_time_seconds",
+    "decode": "request_decode_time_seconds",
+}
+_HISTOGRAM_LINE = re.compile(r"vllm:(\w+)_(sum|count)(?:\{[^}]*\})? ([0-9.eE+-]+)$")
+
+
+def parse_latency_sums(metrics_text: str) -> dict[str, float]:
+    """``{name_sum, name_count}`` for each of LATENCY_HISTOGRAMS (seconds, observations), summed over
+    engines; a histogram the page lacks is left out."""
+    names = {metric: name for name, metric in LATENCY_HISTOGRAMS.items()}
+    totals: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        m = _HISTOGRAM_LINE.match(line)
+        if m and m.group(1) in names:
+            key = f"{names[m.group(1)]}_{m.group(2)}"
+            totals[key] = totals.get(key, 0.0) + float(m.group(3))
+    return totals
+
+
+def latency_means_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean of each server-side latency over the observations made between two readings (ms)."""
+    means = {}
+    for name in LATENCY_HISTOGRAMS:
+        count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+        if count > 0:
+            means[name] = 1000.0 * (after[f"{name}_sum"] - before.get(f"{name}_sum", 0.0)) / count
+    return means
+
+
+def process_tree_cpu_s(pid: int) -> dict[str, float] | None:
+    """CPU seconds (user + system) used so far by ``pid`` and its descendants, by role: ``api_server``
+    for ``pid`` itself (``vllm serve``'s main process), then each child by its process title
+    (vLLM's ``VLLM::EngineCore_DP0`` -> ``EngineCore_DP0``), or its name; None if ``pid`` is gone."""
+    import psutil  # a dependency of vLLM, which the client imports anyway
+
+    try:
+        root = psutil.Process(pid)
+        procs = [(root, "api_server"), *((c, None) for c in root.children(recursive=True))]
+    except psutil.Error:
+        return None
+    out: dict[str, float] = {}
+    for proc, role in procs:
+        try:
+            t = proc.cpu_times()
+            if role is None:
+                title = (proc.cmdline() or [proc.name()])[0]
+                role = title.split("::", 1)[1] if title.startswith("VLLM::") else proc.name()
+            out[role] = out.get(role, 0.0) + t.user + t.system
+        except psutil.Error:  # exited meanwhile
+            continue
+    return out
 
 
 @dataclass

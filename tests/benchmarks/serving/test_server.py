@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from benchmarks.serving.server import (
@@ -16,8 +19,11 @@ from benchmarks.serving.server import (
     ServerSpec,
     confirm_side,
     kernel_compiles,
+    latency_means_ms,
     notable_lines,
+    parse_latency_sums,
     parse_prefix_cache_counters,
+    process_tree_cpu_s,
 )
 from benchmarks.serving.sides import parse_side
 
@@ -97,6 +103,60 @@ def test_prefix_cache_counters_are_summed_over_engines():
         "vllm:prefix_cache_hits_created 1.7e9",
     ])  # fmt: skip
     assert parse_prefix_cache_counters(text) == {"queries": 3072.0, "hits": 512.0}
+
+
+def _histogram(name: str, engine: int, total: float, count: int) -> list[str]:
+    labels = f'engine="{engine}",model_name="m"'
+    return [f"# TYPE vllm:{name} histogram", f'vllm:{name}_bucket{{{labels},le="0.1"}} {count}',
+            f"vllm:{name}_sum{{{labels}}} {total}", f"vllm:{name}_count{{{labels}}} {count}.0",
+            f"vllm:{name}_created{{{labels}}} 1.7e9"]  # fmt: skip
+
+
+def test_the_servers_own_latencies_are_means_over_the_load_summed_over_engines():
+    """Sums and counts of vLLM's latency histograms, engines added; a load's mean is the difference of
+    two readings' sums over that of their counts (ms); buckets, _created and other metrics are not read;
+    a histogram without new observations has no mean."""
+    before = "\n".join([*_histogram("time_to_first_token_seconds", 0, 1.0, 10),
+                        *_histogram("request_queue_time_seconds", 0, 0.5, 10),
+                        *_histogram("inter_token_latency_seconds", 0, 2.0, 100),
+                        *_histogram("request_prefill_time_seconds", 0, 0.25, 10),
+                        "vllm:iteration_tokens_total_sum 99.0", "vllm:iteration_tokens_total_count 3.0"])  # fmt: skip
+    after = "\n".join([*_histogram("time_to_first_token_seconds", 0, 2.0, 15),
+                       *_histogram("time_to_first_token_seconds", 1, 1.5, 5),
+                       *_histogram("request_queue_time_seconds", 0, 0.5, 10),
+                       *_histogram("inter_token_latency_seconds", 0, 2.9, 190),
+                       *_histogram("request_prefill_time_seconds", 0, 0.85, 20)])  # fmt: skip
+    assert parse_latency_sums(after) == {"ttft_sum": 3.5, "ttft_count": 20.0, "queue_sum": 0.5, "queue_count": 10.0,
+                                         "itl_sum": 2.9, "itl_count": 190.0, "prefill_sum": 0.85,
+                                         "prefill_count": 20.0}  # fmt: skip
+    means = latency_means_ms(parse_latency_sums(before), parse_latency_sums(after))
+    assert means == pytest.approx({"ttft": 250.0, "itl": 10.0, "prefill": 60.0})
+
+
+def test_the_cpu_time_of_a_server_and_its_children_is_read_by_role(tmp_path):
+    """The root process is the API server; a child is named by its vLLM process title (``VLLM::NAME``)
+    or its name; each one's CPU seconds are its own; a process that is gone reads None."""
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < {}: pass\n"
+    child = f"import setproctitle\nsetproctitle.setproctitle('VLLM::EngineCore_DP0')\n{busy.format(0.6)}import time; time.sleep(30)"
+    parent = (f"import subprocess, sys, time\np = subprocess.Popen([sys.executable, '-c', {child!r}])\n"
+              f"{busy.format(0.3)}print('ready', flush=True)\ntime.sleep(30)")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 20
+        while True:
+            cpu = process_tree_cpu_s(proc.pid)
+            if sum(cpu.values()) >= 0.85 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert set(cpu) == {"api_server", "EngineCore_DP0"}, cpu
+        assert cpu["api_server"] >= 0.28 and cpu["EngineCore_DP0"] >= 0.55, cpu
+    finally:
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            p.kill()
+        proc.kill()
+        proc.wait()
+    assert process_tree_cpu_s(proc.pid) is None
 
 
 def _spec(tmp_path):

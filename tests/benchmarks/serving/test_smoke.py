@@ -45,6 +45,12 @@ def test_both_sides_ran_and_were_what_they_say(smoke):
         assert all(isinstance(ld["kernel_compiles"], list) for ld in server["loads"])
         assert all(0 < ld["server_log_bytes"][0] <= ld["server_log_bytes"][1] for ld in server["loads"])
         assert server["start_s"] > 0 and server["teardown_s"] >= 0
+        # Issue 40's host figures: every process of the server by role, the server's own latencies
+        for ld in server["loads"]:
+            assert ld["server_cpu_s"]["api_server"] > 0 and ld["client_cpu_s"] > 0, ld
+            assert any(role.startswith("EngineCore") and cpu > 0 for role, cpu in ld["server_cpu_s"].items()), ld
+            assert {"ttft", "itl", "queue", "prefill"} <= ld["server_latency_ms"].keys(), ld
+            assert all(v >= 0 for v in ld["server_latency_ms"].values()), ld
 
 
 def test_the_report_holds_vllms_figures_per_side(smoke):
@@ -67,6 +73,10 @@ def test_the_report_holds_vllms_figures_per_side(smoke):
         assert row["metrics"]["median_tpot_ms"]["ratio"] == pytest.approx(on / off)
     md = (out / "serving_tiny.md").read_text()
     assert md.count("| metric | on | off | on / off |") == 2
+    assert md.count("| server | side | API server cores |") == 2  # burst and paced, each server a row
+    for load in data["loads"].values():
+        assert all(server["host"]["server_ms"]["ttft"] > 0 for side in load["sides"].values()
+                   for server in side["servers"])  # fmt: skip
     assert data["plot"].endswith(".png") or data["plot"].startswith("no plot: matplotlib")
 
 

@@ -146,7 +146,7 @@ def test_the_client_closes_the_session_when_the_load_fails(tmp_path, monkeypatch
         raise ConnectionError("server gone")
 
     monkeypatch.setattr(serve, "main", main)
-    monkeypatch.setattr("benchmarks.serving.server.prefix_cache_counters", lambda port: None)
+    monkeypatch.setattr("benchmarks.serving.server.metrics_text", lambda port: None)
     (tmp_path / "go").touch()
     args = ["--model", "m", "--num-prompts", "3", "--port", "9"]
     spec = {"port": 9, "go_file": str(tmp_path / "go"), "stop_file": str(tmp_path / "stop"),
