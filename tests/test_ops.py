@@ -363,6 +363,22 @@ def test_scaled_fp8_stores_match_torch_bit_for_bit(backend, dtype, scale):
     case = scaled_fp8_case(dtype, scale, T=4, H=2, L=512, R=16, seed=31)
     _run_decode(case, backend)  # latent parts byte-exact, rope within one rounding
     check_identity_rope_stores(case)  # rope parts byte-exact too
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=str)
+@pytest.mark.parametrize("scale", [1.0, 0.5, 2.0**-100, 2.0**100, 1 - 2.0**-24, 1 + 2.0**-23], ids=lambda s: f"{s:.9g}")
+def test_every_fp8_store_at_power_of_two_scales_and_next_to_them(backend, dtype, scale):
+    """As above at powers of two (the Triton kernel's programs take the bare reciprocal product
+    there) and the scales next to 1 (the residual step), with the cache's scale and q_scale both
+    set: every store of op 2, the cache's and q_out's, latent and rope parts, byte-identical to
+    torch's saturate(x / scale). (The largest scales would overflow the case's values: the latent
+    test below covers 2**126 and 2**127.)"""
+    case = scaled_fp8_case(dtype, scale, T=4, H=2, L=512, R=16, seed=37)
+    _run_decode(case, backend)
+    check_identity_rope_stores(case)
+
+
 @pytest.mark.parametrize("backend", OP_BACKENDS)
 @pytest.mark.parametrize("T,H", [(1, 1), (3, 16), (7, 3), (2, 128), (33, 2)])
 @pytest.mark.parametrize("is_neox", [False, True])

@@ -1,14 +1,18 @@
 """The Triton backend's scaled fp8 rounding, proved exact over millions of values.
 
 ``_round_for_store`` divides by the scale without a division per element:
-``q = x * (1/scale)``, then one residual step through fused multiply-adds,
-``r = fma(-q, scale, x)``, ``x / scale ~ fma(r, 1/scale, q)``. The kernel
+``q = x * (1/scale)`` (clamped to twice the fp8 range), then one residual step
+through fused multiply-adds, ``r = fma(q, scale, -x)``, ``x / scale ~ fma(-r,
+1/scale, q)``. The kernel
 tests run it (test_ops.py in the interpreter with an exact fma, test_gpu.py
 on a GPU), but only on thousands of values. Here the same three operations
 are evaluated with an exact fma (tests/exact_interpreter.py, itself checked
 against rational arithmetic below) on millions of values, near-ties of every
 fp8 format included, and compared bit for bit with torch's float32 division:
-first the quotient itself, then the stored fp8 code.
+first the quotient itself, then the stored fp8 code. A program whose scale is a
+power of two with a normal reciprocal (``_scale_is_pow2``; vLLM's default 1.0)
+takes the bare product instead, exact there: checked at the edges of that rule
+against a float64 reference.
 """
 
 from __future__ import annotations
@@ -22,6 +26,11 @@ import torch
 
 from ..exact_interpreter import exact_fma32, rne_bf16_bits
 from ..mla_cases import FP8_DTYPES, fp8_near_ties
+
+try:  # the kernel's helpers, for probes run by Triton (a global: jitted functions see no closures)
+    from vllm_mla_fusion.backends import triton as tb
+except ImportError:  # no Triton: the numpy checks still run
+    tb = None
 
 F32_MIN_NORMAL = 2.0**-126
 
@@ -124,15 +133,23 @@ def test_the_interpreter_negates_as_triton_3_6_compiles():
     assert torch.equal(out.view(torch.int32), want.view(torch.int32)), out.tolist()
 
 
+def exact_reciprocal(scale: np.float32) -> bool:
+    """``_scale_is_pow2``: a positive power of two whose reciprocal is a normal float32 too."""
+    bits = int(np.float32(scale).view(np.uint32))
+    return bits & 0x7FFFFF == 0 and 1 <= bits >> 23 <= 253
+
+
 def kernel_quotient(x: np.ndarray, scale: np.float32, fp8_max: float) -> np.ndarray:
     """``_round_for_store``'s scaled step (backends/triton.py), operation for operation, in float32
-    with an exact fma. Kept in step with the kernel by hand: a change there must change this."""
+    with an exact fma, in the program the scale selects. Kept in step with the kernel by hand: a
+    change there must change this."""
     inv = np.float32(1.0) / scale  # tl.fdiv(1.0, scale, ieee_rounding=True): correctly rounded
     with np.errstate(over="ignore", invalid="ignore"):
-        q = x * inv
-        r = exact_fma32(-q, scale, x)
-        corrected = exact_fma32(r, inv, q)
-    return np.where((np.abs(q) < 2 * fp8_max) & (q != 0), corrected, q)
+        if exact_reciprocal(scale):
+            return x * inv  # the POW2_SCALE store
+        q = np.clip(x * inv, -2 * fp8_max, 2 * fp8_max)
+        r = exact_fma32(q, np.minimum(scale, np.finfo(np.float32).max), -x)
+        return exact_fma32(-r, inv, q)
 
 
 def _scales() -> list[float]:
@@ -177,3 +194,72 @@ def test_the_residual_step_is_what_makes_it_exact():
     codes = lambda v: torch.from_numpy(v).clamp(-fmax, fmax).to(dtype).view(torch.uint8)  # noqa: E731
     assert not torch.equal(codes(bare), codes(want))
     assert torch.equal(codes(kernel_quotient(x, s, fmax)), codes(want))
+
+
+# Scales on both sides of the rule (_scale_is_pow2): powers of two with normal reciprocals, 2**127
+# (subnormal reciprocal), a subnormal power of two and a subnormal scale, non-powers of two next
+# to 1; a negative power of two, zero, infinity and NaN for the reciprocal alone.
+EDGE_SCALES = {1.0: True, 0.5: True, 2.0: True, 2.0**-126: True, 2.0**-125: True, 2.0**126: True,
+               2.0**127: False, 2.0**-127: False, 1.5 * 2.0**-127: False, 1 - 2.0**-24: False, 1 + 2.0**-23: False,
+               0.75: False, 3.0: False}  # fmt: skip
+
+
+def test_scale_is_pow2_only_at_powers_of_two_with_normal_reciprocals():
+    """Through the kernel's own ``_scale_is_pow2`` (GPU, or the interpreter): true at the powers of
+    two whose reciprocals are normal, false at every other scale, negative, zero, infinite and NaN
+    ones included; and the model's rule (``exact_reciprocal``) says the same."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    @triton.jit
+    def probe(scale_ptr, out_ptr, STORE: tl.constexpr):
+        i = tl.program_id(0)
+        tl.store(out_ptr + i, tb._scale_is_pow2(scale_ptr + i, STORE).to(tl.int32))
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    scales = {**EDGE_SCALES, -4.0: False, -1.0: False, 0.0: False, float("inf"): False, float("nan"): False}
+    s = torch.tensor(list(scales), dtype=torch.float32, device=device)
+    got = torch.full(s.shape, -1, dtype=torch.int32, device=device)
+    probe[(s.numel(),)](s, got, STORE="float8_e4m3fn/bits/scaled")
+    assert got.cpu().tolist() == [int(v) for v in scales.values()], list(zip(scales, got.tolist()))
+    assert all(exact_reciprocal(np.float32(v)) == exact for v, exact in scales.items())
+
+
+@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=str)
+def test_power_of_two_scales_skip_the_step_and_stay_exact(dtype):
+    """At the edge scales, against the float64 reference (x / scale in float64 rounded to float32:
+    53 >= 2 * 24 + 2 bits, so the correctly rounded float32 quotient): the quotient bit for bit
+    everywhere for the powers of two (the bare reciprocal product: zeros, subnormals, overflows
+    included), wherever it is normal and below twice the fp8 max for the others (the residual
+    step), and the saturated fp8 code everywhere; the bare product stores other codes next to 1."""
+    fmax = torch.finfo(dtype).max
+    g = np.random.default_rng(5)
+    for scale, exact in EDGE_SCALES.items():
+        s = np.float32(scale)
+        with np.errstate(over="ignore"):  # 2**126 and 2**127: some overflow to infinity
+            rand = (g.standard_normal(32768) * 2.0 ** g.uniform(-24, 12, 32768) * np.float64(s)).astype(np.float32)
+        special = np.array([0.0, -0.0, 1e-45, -1e30, np.inf, -np.inf], np.float32)
+        x = np.concatenate([fp8_near_ties(dtype, float(s)).numpy(), rand, special])
+        got = kernel_quotient(x, s, fmax)
+        with np.errstate(over="ignore", under="ignore"):
+            want = (x.astype(np.float64) / np.float64(s)).astype(np.float32)
+        # The residual step's exactness needs a normal scale (with a subnormal one the residual
+        # underflows, and the quotient may be an ulp off): there the codes alone are compared.
+        normal = (np.abs(want) >= F32_MIN_NORMAL) & (np.abs(want) < 2 * fmax) & (abs(s) >= F32_MIN_NORMAL)
+        compared = np.ones(x.shape, bool) if exact else normal
+        bad = compared & (got.view(np.uint32) != want.view(np.uint32))
+        assert not bad.any(), f"scale {s}: x={x[bad][:4]} got {got[bad][:4]} want {want[bad][:4]}"
+        to_fp8 = lambda v: torch.from_numpy(v).clamp(-fmax, fmax).to(dtype).view(torch.uint8)  # noqa: E731
+        assert torch.equal(to_fp8(got), to_fp8(want)), f"scale {s}: fp8 codes differ"
+        if scale == 1 - 2.0**-24:
+            with np.errstate(over="ignore"):
+                bare = x * (np.float32(1.0) / s)
+            assert (to_fp8(bare) != to_fp8(want)).sum() >= 100
+
+
+def test_an_infinite_scale_stores_signed_zeros():
+    """x / inf is +-0 for finite x (torch): the residual step stays finite there (its scale is
+    clamped to the largest float32), rather than making 0 * inf = NaN."""
+    x = np.array([1.0, -3.0, 1e30, -1e-30, 0.0, -0.0, 448.0], np.float32)
+    got = kernel_quotient(x, np.float32(np.inf), 448.0)
+    assert np.array_equal(got.view(np.uint32), (x / np.float32(np.inf)).view(np.uint32)), got

@@ -31,7 +31,9 @@ scale and the fp8 format's constants from it through constexpr functions,
 the PTX (sm_90) and AMDGCN (gfx942, gfx950) of every variant compiled the same
 (docs/performance.md, "Kernels").
 
-fp8 outputs store ``saturate(x / scale)``. The GPU converts with its native
+fp8 outputs store ``saturate(x / scale)``: the product with the reciprocal and one
+residual step, or, in programs whose scale is a power of two (vLLM's default 1.0;
+``_scale_is_pow2``, decided once per program), the bare product. The GPU converts with its native
 instructions; Triton's interpreter (CPU) rounds fp8 wrongly, and NVIDIA GPUs
 have no e4m3fnuz type, so there the kernel encodes the bits itself
 (``_fp8_bits``), round-to-nearest-even like torch's conversion.
@@ -70,17 +72,19 @@ _ROUNDINGS = {"saturating": _FP8_SATURATING, "bits": _FP8_BITS, "clamped": _FP8_
 @triton.constexpr_function
 def _store_params(store: str) -> dict:
     """The rounding constants of a store format (``_store_mode``): "plain" (cast as is) or
-    ``"<fp8 dtype>/<rounding>[/scaled]"``, rounding one of ``_ROUNDINGS``. MODE: how a tile is
-    rounded; HAS_SCALE: whether it is divided by the scale first; the fp8 format's largest
+    ``"<fp8 dtype>/<rounding>[/scaled[/pow2]]"``, rounding one of ``_ROUNDINGS``. MODE: how a tile
+    is rounded; HAS_SCALE: whether it is divided by the scale first; POW2_SCALE: the scale is a
+    power of two with a normal reciprocal (``_scale_is_pow2``, decided per program); the fp8 format's largest
     finite value FP8_MAX, exponent bias BIAS, mantissa bits MAN, whether it has a negative zero
     (SIGNED_ZERO) and its NaN's bits (NAN), which the bit encoder needs."""
     if store == "plain":
-        return dict(MODE=_PLAIN, HAS_SCALE=False, FP8_MAX=0.0, BIAS=0, MAN=0, SIGNED_ZERO=True, NAN=0)
+        return dict(MODE=_PLAIN, HAS_SCALE=False, POW2_SCALE=False, FP8_MAX=0.0, BIAS=0, MAN=0, SIGNED_ZERO=True,
+                    NAN=0)  # fmt: skip
     name, rounding, *scaled = store.split("/")
     dtype = getattr(torch, name)
     bias, man, signed_zero, nan = _FP8_FORMATS[dtype]
-    return dict(MODE=_ROUNDINGS[rounding], HAS_SCALE=scaled == ["scaled"], FP8_MAX=float(torch.finfo(dtype).max),
-                BIAS=bias, MAN=man, SIGNED_ZERO=signed_zero, NAN=nan)  # fmt: skip
+    return dict(MODE=_ROUNDINGS[rounding], HAS_SCALE=scaled[:1] == ["scaled"], POW2_SCALE=scaled == ["scaled", "pow2"],
+                FP8_MAX=float(torch.finfo(dtype).max), BIAS=bias, MAN=man, SIGNED_ZERO=signed_zero, NAN=nan)  # fmt: skip
 
 
 @triton.constexpr_function
@@ -92,7 +96,13 @@ def _store_param(store, name):
 @triton.constexpr_function
 def _unscaled(store):
     """``store`` without its scale."""
-    return store.removesuffix("/scaled")
+    return store.split("/scaled")[0]
+
+
+@triton.constexpr_function
+def _pow2_scaled(store):
+    """``store`` for a program whose scale ``_scale_is_pow2`` found a power of two."""
+    return store + "/pow2"
 
 
 @triton.jit
@@ -137,10 +147,26 @@ def _load_scale(scale_ptr, STORE: tl.constexpr):
     if _store_param(STORE, "HAS_SCALE"):
         scale = tl.load(scale_ptr)
         inv = tl.fdiv(1.0, scale, ieee_rounding=True)  # correctly rounded on every target (libdevice-free)
+        scale = tl.minimum(scale, 3.4028234663852886e38)  # x / inf = +-0: keeps the residual step finite
     else:
         scale = 1.0
         inv = 1.0
     return scale, inv
+
+
+@triton.jit
+def _scale_is_pow2(scale_ptr, STORE: tl.constexpr):
+    """Whether the store's scale is a power of two whose reciprocal is a normal float32 too
+    (vLLM's default scale, 1.0, is one): a scalar, the same for every program of a launch. False,
+    a constexpr, for a store without a scale, so that the caller's branch compiles once."""
+    if _store_param(STORE, "HAS_SCALE"):
+        # 2**k: sign and mantissa bits zero, biased exponent k + 127 (negative here for a negative
+        # scale); 2**k and 2**-k are both normal for biased exponents 1..253.
+        bits = tl.load(scale_ptr).to(tl.int32, bitcast=True)
+        biased = bits >> 23
+        return ((bits & 0x7FFFFF) == 0) & (biased >= 1) & (biased <= 253)
+    else:
+        return False
 
 
 @triton.jit
@@ -149,20 +175,26 @@ def _round_for_store(x, scale, inv_scale, out_ptr, STORE: tl.constexpr):
     ``STORE`` says (``_store_params``)."""
     MODE: tl.constexpr = _store_param(STORE, "MODE")
     HAS_SCALE: tl.constexpr = _store_param(STORE, "HAS_SCALE")
+    POW2_SCALE: tl.constexpr = _store_param(STORE, "POW2_SCALE")
     FP8_MAX: tl.constexpr = _store_param(STORE, "FP8_MAX")
     if MODE == 0:
         y = x.to(out_ptr.dtype.element_ty)
     else:
-        if HAS_SCALE:
+        if POW2_SCALE:
+            # The reciprocal of such a scale is exact, so the product rounds the same real number
+            # as the division: x / scale, correctly rounded, in one multiply.
+            x = x * inv_scale
+        elif HAS_SCALE:
             # x / scale, correctly rounded, without a division per element (a full-precision
             # division is ~10 instructions and made the fp8 paths compute-bound): the product
             # with the reciprocal is within an ulp, and one residual step (exact through the
-            # fma) rounds it correctly. Quotients far outside the fp8 range skip the step,
-            # which would turn an overflow into NaN; they saturate below anyway. So do zeros:
-            # the step would add a +0 residual to -0 and lose the sign torch keeps.
-            q = x * inv_scale
-            r = tl.fma(-q, scale, x)
-            x = tl.where((tl.abs(q) < 2 * FP8_MAX) & (q != 0), tl.fma(r, inv_scale, q), q)
+            # fma) rounds it correctly. The product is clamped first so that the step stays
+            # finite (quotients past the fp8 range saturate below anyway; a NaN x still makes
+            # a NaN residual), and the residual is taken as q * scale - x: for either zero and
+            # a positive scale that is +0, and q - (+0) keeps the sign torch keeps.
+            q = tl.minimum(tl.maximum(x * inv_scale, -2 * FP8_MAX), 2 * FP8_MAX)
+            r = tl.fma(q, scale, -x)
+            x = tl.fma(-r, inv_scale, q)
         if MODE == 1:
             # NVIDIA converts with cvt.rn.satfinite: saturation and NaN handling come free.
             y = x.to(out_ptr.dtype.element_ty)
@@ -287,19 +319,34 @@ def _mla_rope_cache_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     # Each kind of program lives in its own function so that their locals (tiles of
-    # different shapes) never meet in one scope.
+    # different shapes) never meet in one scope. A scaled fp8 store whose scale is a power of
+    # two (vLLM's default, 1.0) runs a program specialized to it (one multiply per element,
+    # _round_for_store): the branch holds the whole program, so no tile crosses it.
     if pid < n_cache_programs:
-        _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr, out_ptr,
-                       num_tokens, max_pos, block_size, num_slots, key_start, stride_cs_p, stride_cs_r,
-                       stride_k_t, stride_k_r, stride_c_t, stride_c_l, stride_kv_b, stride_kv_s, stride_kv_d,
-                       stride_o_t, stride_o_h, stride_o_d,
-                       H, L, R, NOPE, IS_NEOX, OP, CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_L, BLOCK_H,
-                       BLOCK_R2)  # fmt: skip
+        if _scale_is_pow2(cache_scale_ptr, CACHE_STORE):
+            _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr,
+                           out_ptr, num_tokens, max_pos, block_size, num_slots, key_start, stride_cs_p, stride_cs_r,
+                           stride_k_t, stride_k_r, stride_c_t, stride_c_l, stride_kv_b, stride_kv_s, stride_kv_d,
+                           stride_o_t, stride_o_h, stride_o_d, H, L, R, NOPE, IS_NEOX, OP,
+                           _pow2_scaled(CACHE_STORE), OUT_STORE, BLOCK_T, BLOCK_L, BLOCK_H, BLOCK_R2)  # fmt: skip
+        else:
+            _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr,
+                           out_ptr, num_tokens, max_pos, block_size, num_slots, key_start, stride_cs_p, stride_cs_r,
+                           stride_k_t, stride_k_r, stride_c_t, stride_c_l, stride_kv_b, stride_kv_s, stride_kv_d,
+                           stride_o_t, stride_o_h, stride_o_d, H, L, R, NOPE, IS_NEOX, OP,
+                           CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_L, BLOCK_H, BLOCK_R2)  # fmt: skip
     else:
-        _query_program(pid - n_cache_programs, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_scale_ptr,
-                       num_tokens, max_pos, key_start, stride_cs_p, stride_cs_r, stride_q_t, stride_q_h, stride_q_r,
-                       stride_n_t, stride_n_h, stride_n_d, stride_o_t, stride_o_h, stride_o_d,
-                       H, R, NOPE, IS_NEOX, OP, NOPE_FIRST, OUT_STORE, BLOCK_ROWS, BLOCK_N, BLOCK_R2)  # fmt: skip
+        if _scale_is_pow2(out_scale_ptr, OUT_STORE):
+            _query_program(pid - n_cache_programs, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_scale_ptr,
+                           num_tokens, max_pos, key_start, stride_cs_p, stride_cs_r, stride_q_t, stride_q_h,
+                           stride_q_r, stride_n_t, stride_n_h, stride_n_d, stride_o_t, stride_o_h, stride_o_d,
+                           H, R, NOPE, IS_NEOX, OP, NOPE_FIRST, _pow2_scaled(OUT_STORE), BLOCK_ROWS, BLOCK_N,
+                           BLOCK_R2)  # fmt: skip
+        else:
+            _query_program(pid - n_cache_programs, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_scale_ptr,
+                           num_tokens, max_pos, key_start, stride_cs_p, stride_cs_r, stride_q_t, stride_q_h,
+                           stride_q_r, stride_n_t, stride_n_h, stride_n_d, stride_o_t, stride_o_h, stride_o_d,
+                           H, R, NOPE, IS_NEOX, OP, NOPE_FIRST, OUT_STORE, BLOCK_ROWS, BLOCK_N, BLOCK_R2)  # fmt: skip
 
 
 @triton.jit
