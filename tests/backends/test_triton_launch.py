@@ -26,6 +26,8 @@ def test_block_arithmetic_matches_triton():
     rng = random.Random(7)
     for n in [1, 2, 3, 4, 5, 63, 64, 65, 511, 512, 513, 4096] + [rng.randrange(1, 1 << 20) for _ in range(200)]:
         assert tb._pow2(n) == triton.next_power_of_2(n), n
+        low = tb._pow2_floor(n)
+        assert low <= n < 2 * low and low & (low - 1) == 0, n
         for d in (1, 2, 3, 16, 64, 128):
             assert tb._cdiv(n, d) == triton.cdiv(n, d), (n, d)
 
@@ -45,6 +47,24 @@ def test_launch_config_is_cached_but_never_shared(op):
         again = tb._launch_config(p, op, device)
         assert again["BLOCK_T"] > 0
         assert again == tb._launch_config_for.__wrapped__(p, op, tb._num_sms(device), tb._pdl_ok(device))
+
+
+@pytest.mark.parametrize(("H", "T", "block_t", "block_h"), [
+    (16, 16384, 4, 8), (16, 1024, 4, 8),  # the tuner's fastest on an H200 (docs/performance-history.md)
+    (16, 256, 2, 16), (16, 64, 1, 16),  # small batches: fewer tokens per program, more programs
+    (128, 16384, 1, 32),  # one token already exceeds ~8K elements
+])  # fmt: skip
+def test_prefill_cache_programs_take_about_8k_elements(H, T, block_t, block_h):
+    """Op 3's cache programs: the most tokens within ~8K elements (each token L + R + H * R),
+    shrunk while the grid would leave most of an H200's 132 SMs idle; key stores in ~2K-element
+    tiles. Ops 1 and 2 keep ~4K elements (8 tokens of 576)."""
+    p = dataclasses.replace(_problem(T, 3), num_heads=H)
+    cfg = tb._launch_config_for.__wrapped__(p, 3, 132, True)
+    assert (cfg["BLOCK_T"], cfg["BLOCK_H"]) == (block_t, block_h)
+    if T >= 1024:
+        for op in (1, 2):
+            other = tb._launch_config_for.__wrapped__(dataclasses.replace(_problem(T, op), num_heads=H), op, 132, True)
+            assert (other["BLOCK_T"], other["BLOCK_H"]) == (8, 1)
 
 
 def test_forced_launch_config_bypasses_the_cache():

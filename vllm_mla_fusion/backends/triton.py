@@ -488,6 +488,11 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def _pow2_floor(n: int) -> int:
+    """Largest power of two <= n (1 for n < 1)."""
+    return 1 << max(n.bit_length() - 1, 0)
+
+
 @functools.lru_cache(maxsize=None)
 def _native_fp8_ok(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether Triton can convert to ``dtype`` with the device's own instructions here."""
@@ -587,9 +592,9 @@ def _launch_config_for(p: Problem, op: int, sms: int, pdl: bool) -> dict:
 
     Traffic per query row: R elements in and out (op 1), L + R (op 2), P + R (op 3);
     per cache token L + R, plus op 3's H copies of the key's rope part. Programs aim at
-    ~4K elements (8 KB of bf16) of traffic each so that large batches run at full
-    bandwidth; small batches shrink the tiles so that the work spreads over more SMs
-    instead of queueing on a few.
+    ~4K elements (8 KB of bf16) of traffic each (op 3's cache programs ~8K) so that large
+    batches run at full bandwidth; small batches shrink the tiles so that the work spreads
+    over more SMs instead of queueing on a few.
     """
     H, L, R = p.num_heads, p.kv_lora_rank, p.rope_dim
     BLOCK_L = min(_pow2(L), 512)
@@ -609,11 +614,19 @@ def _launch_config_for(p: Problem, op: int, sms: int, pdl: bool) -> dict:
     # Shrink while the grid would leave most SMs idle.
     while block_rows > 1 and _cdiv(rows, block_rows) < sms:
         block_rows //= 2
-    token_elems = L + R + (H * R if op == OP_PREFILL.value else 0)
-    block_t = max(1, min(_pow2(max(1, 4096 // token_elems)), 64))
+    # Cache programs: ~4K elements for ops 1 and 2 (8 tokens of L + R = 576 at DeepSeek's sizes).
+    # Op 3's tokens also store their key's rope part for every head (H * R more): there the tuner
+    # measured 4 tokens fastest at H=16, T 1024-16384 (T=16384: 76.8 us against 79.3 with 2 and
+    # 81.9 with 8), so op 3 takes the most tokens within ~8K elements: 4 at H=16 (6.4K), and 1
+    # where one token already exceeds that (H=128: 8.8K).
+    if op == OP_PREFILL.value:
+        block_t = min(_pow2_floor(8192 // (L + R + H * R)), 64)
+    else:
+        block_t = min(_pow2(max(1, 4096 // (L + R))), 64)
     while block_t > 1 and _cdiv(p.num_tokens, block_t) < sms // 2:
         block_t //= 2
-    # Op 3's cache programs store the key's rope part for every head in tiles of ~2K elements.
+    # Op 3's cache programs store the key's rope part for every head in tiles of ~2K elements
+    # (at H=16, 4 tokens by 8 heads: the tuner's joint grid timed 8 heads as fast as 16).
     block_h = _pow2(H) if op == OP_PREFILL.value else 1
     while block_h > 1 and block_t * block_h * R > 2048:
         block_h //= 2
