@@ -101,8 +101,10 @@ def _unscaled(store):
 
 @triton.constexpr_function
 def _pow2_scaled(store):
-    """``store`` for a program whose scale ``_scale_is_pow2`` found a power of two."""
-    return store + "/pow2"
+    """``store`` for a program whose scale ``_scale_is_pow2`` found a power of two (an unscaled
+    store as it is: Triton 3.6 compiles both sides of a branch on ``_scale_is_pow2``'s constexpr
+    False, and folds the branch only afterwards)."""
+    return store + "/pow2" if store.endswith("/scaled") else store
 
 
 @triton.jit
@@ -157,8 +159,8 @@ def _load_scale(scale_ptr, STORE: tl.constexpr):
 @triton.jit
 def _scale_is_pow2(scale_ptr, STORE: tl.constexpr):
     """Whether the store's scale is a power of two whose reciprocal is a normal float32 too
-    (vLLM's default scale, 1.0, is one): a scalar, the same for every program of a launch. False,
-    a constexpr, for a store without a scale, so that the caller's branch compiles once."""
+    (vLLM's default scale, 1.0, is one): a scalar, the same for every program of a launch. False
+    for a store without a scale (a constexpr: Triton 3.8 compiles the caller's branch once)."""
     if _store_param(STORE, "HAS_SCALE"):
         # 2**k: sign and mantissa bits zero, biased exponent k + 127 (negative here for a negative
         # scale); 2**k and 2**-k are both normal for biased exponents 1..253.
