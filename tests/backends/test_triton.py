@@ -2,8 +2,8 @@
 
 ``_round_for_store`` divides by the scale without a division per element:
 ``q = x * (1/scale)`` (clamped to twice the fp8 range), then one residual step
-through fused multiply-adds, ``r = fma(q, scale, -x)``, ``x / scale ~ fma(-r,
-1/scale, q)``. The kernel
+through fused multiply-adds, ``r = fma(q, scale, -x)``, ``x / scale ~ fma(r,
+-(1/scale), q)``. The kernel
 tests run it (test_ops.py in the interpreter with an exact fma, test_gpu.py
 on a GPU), but only on thousands of values. Here the same three operations
 are evaluated with an exact fma (tests/exact_interpreter.py, itself checked
@@ -149,7 +149,7 @@ def kernel_quotient(x: np.ndarray, scale: np.float32, fp8_max: float) -> np.ndar
             return x * inv  # the POW2_SCALE store
         q = np.clip(x * inv, -2 * fp8_max, 2 * fp8_max)
         r = exact_fma32(q, np.minimum(scale, np.finfo(np.float32).max), -x)
-        return exact_fma32(-r, inv, q)
+        return exact_fma32(r, inv * np.float32(-1.0), q)
 
 
 def _scales() -> list[float]:

@@ -193,10 +193,12 @@ def _round_for_store(x, scale, inv_scale, out_ptr, STORE: tl.constexpr):
             # fma) rounds it correctly. The product is clamped first so that the step stays
             # finite (quotients past the fp8 range saturate below anyway; a NaN x still makes
             # a NaN residual), and the residual is taken as q * scale - x: for either zero and
-            # a positive scale that is +0, and q - (+0) keeps the sign torch keeps.
+            # a positive scale that is +0, and q + (+0) * -(1/scale) = q keeps the sign torch
+            # keeps. -(1/scale) is a product with -1, not a negation: Triton negates as 0 - v,
+            # which is +0, not -0, for v = +0, and turned -0 quotients into +0 on the GPU.
             q = tl.minimum(tl.maximum(x * inv_scale, -2 * FP8_MAX), 2 * FP8_MAX)
             r = tl.fma(q, scale, -x)
-            x = tl.fma(-r, inv_scale, q)
+            x = tl.fma(r, inv_scale * -1.0, q)
         if MODE == 1:
             # NVIDIA converts with cvt.rn.satfinite: saturation and NaN handling come free.
             y = x.to(out_ptr.dtype.element_ty)
