@@ -61,14 +61,16 @@ class Variant:
     cache_scale: bool
     out: str | None = None  # q_out (op 2) or k_out (op 3) dtype
     out_scale: bool = False  # q_scale (op 2)
+    early: bool = False  # bound with binding.py's early_index_loads promise (the vLLM plugin's launches)
 
     @property
     def label(self) -> str:
         cache = f"{self.cache}{' /scale' if self.cache_scale else ''}"
+        early = ", early index loads" if self.early else ""
         if self.out is None:
-            return f"cache {cache}"
+            return f"cache {cache}{early}"
         name = "q_out" if self.op == "decode" else "k_out"
-        return f"cache {cache}, {name} {self.out}{' /scale' if self.out_scale else ''}"
+        return f"cache {cache}, {name} {self.out}{' /scale' if self.out_scale else ''}{early}"
 
     @property
     def slug(self) -> str:
@@ -155,7 +157,7 @@ def capture_launch(machine, v: Variant):
                 op, p = 1, validation.check_rope_cache_write(*c.rope_args())
                 tensors = (c.positions, c.q_pe, c.k_pe, c.kv_c, c.cos_sin_cache, c.slot_mapping, c.kv_cache,
                            c.kv_cache_scale, None, None, None)  # fmt: skip
-            tb.bind(p, op, c.is_neox, True, *tensors)(p.num_tokens, *tensors)
+            tb.bind(p, op, c.is_neox, True, *tensors, v.early)(p.num_tokens, *tensors)
         finally:
             tb._mla_rope_cache_kernel = kernel
         formats = {v.cache} | ({v.out} if v.out in FP8 else set())
@@ -307,11 +309,12 @@ def _no_interpreter() -> None:
         raise SystemExit("run without TRITON_INTERPRET: the kernel must be a JITFunction to be compiled")
 
 
-def main(doc: str, archs: list[str], report, markdown, docs: Path | None = None, table: str = "") -> int:
+def main(doc: str, archs: list[str], report, markdown, docs: Path | None = None, table: str = "",
+         matrix=variants) -> int:  # fmt: skip
     """The command line of a compile tool: ``report(arch, variant, dump)`` gives one variant's
-    results, ``markdown(results)`` their table, which ``--update-docs`` (where ``docs`` is
-    given) writes into ``docs`` between the markers ``<!-- {table}:begin -->`` and
-    ``<!-- {table}:end -->``."""
+    results for each variant of ``matrix()``, ``markdown(results)`` their table, which
+    ``--update-docs`` (where ``docs`` is given) writes into ``docs`` between the markers
+    ``<!-- {table}:begin -->`` and ``<!-- {table}:end -->``."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("arch", nargs="*", default=archs, help=f"of {archs} (default: all)")
     what = ap.add_mutually_exclusive_group()
@@ -325,7 +328,7 @@ def main(doc: str, archs: list[str], report, markdown, docs: Path | None = None,
     if unknown:
         ap.error(f"unknown arch {sorted(unknown)}; expected some of {archs}")
     _no_interpreter()
-    results = [report(arch, v, opts.dump) for arch in opts.arch for v in variants()]
+    results = [report(arch, v, opts.dump) for arch in opts.arch for v in matrix()]
     if opts.json:
         print(json.dumps(results))
         return 0

@@ -214,3 +214,100 @@ def test_key_start_belongs_to_the_prefill_op_only(op, key_start):
     with pytest.raises(ValueError, match="key_start applies to mla_prefill_rope_cache_write only"):
         bound(*args, key_start)
     assert torch.equal(c.kv_cache, before)
+
+
+# --- early index loads (issue 41, S2): a promise of the caller's, never of the public ops ----------
+
+try:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _no_wait(USE_PDL: tl.constexpr):
+        """The kernel's grid-dependency wait (``_wait_for_inputs``) in Triton's interpreter, which
+        has no ``griddepcontrol``: nothing to wait for there."""
+        pass
+
+except ImportError:  # no Triton: its tests are skipped
+    _no_wait = None
+
+
+def _triton_sites(bound: BoundOp) -> list:
+    return [site for site, name in bound.sites.values() if name == "triton"]
+
+
+@pytest.mark.skipif("triton" not in OP_BACKENDS, reason="the Triton kernel in its interpreter")
+def test_the_public_ops_never_promise_early_index_loads(monkeypatch):
+    """The public ops bind without binding.py's ``early_index_loads`` promise (a user may write
+    the positions with the kernel launched just before the call): on an sm_90 GPU (programmatic
+    dependent launch, simulated here) their launches read nothing before the grid-dependency
+    wait. A BoundOps made with the promise (the vLLM plugin's) hands it to every launch."""
+    import vllm_mla_fusion as mla
+    from vllm_mla_fusion import ops
+    from vllm_mla_fusion.backends import triton as tb
+
+    ops._BOUND.clear()
+    c = make_case(T=5, H=2, strided=False, seed=51)
+    mla.mla_rope_cache_write(*c.rope_args(), backend="triton")
+    c = make_case(T=5, H=2, strided=False, decode=True, seed=52)
+    mla.mla_decode_rope_cache_write(*c.decode_args(), backend="triton")
+    c = make_case(T=5, H=2, strided=False, prefill=True, seed=53)
+    mla.mla_prefill_rope_cache_write(*c.prefill_args(), backend="triton")
+    public = [bound for table in ops._BOUND.values() for bound in table._ops.values()]
+    assert len(public) == 3 and not any(bound.early_index_loads for bound in public)
+    promised = binding.BoundOps("triton", early_index_loads=True)
+    for op, args, kind in ((OP_ROPE_CACHE, _rope_args, {}), (OP_DECODE, _decode_args, dict(decode=True)),
+                           (OP_PREFILL, _prefill_args, dict(prefill=True))):  # fmt: skip
+        bound = promised.get(op, "auto", False)
+        assert bound.early_index_loads is True
+        bound(*args(make_case(T=5, H=2, strided=False, seed=54, **kind)))
+    monkeypatch.setattr(tb, "_pdl_ok", lambda device: True)  # as on an H100/H200
+    for bounds, early in ((public, False), (promised._ops.values(), True)):
+        sites = [site for bound in bounds for site in _triton_sites(bound)]
+        assert len(sites) == 3
+        for site in sites:
+            c = site.plan(6).constexprs  # a token count not planned yet: decided with PDL on
+            assert c["USE_PDL"] is True and c["EARLY_INDEX_LOADS"] is early and site.early_index_loads is early
+
+
+# The layouts the early-ordered kernel runs on: padding, clamped positions, strides, NeoX, fp8
+# with a scale, int32 indices, latent widths past one tile.
+EARLY_CASES = [
+    dict(T=9, H=3),
+    dict(T=7, H=2, is_neox=True, positions="out_of_range", pad_every=2, index_dtype=torch.int32),
+    dict(T=6, H=4, cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.37, block_size=1),
+    dict(T=5, H=2, L=640, block_pad=8, k_pe_3d=True),
+]
+
+
+@pytest.mark.skipif("triton" not in OP_BACKENDS, reason="the Triton kernel in its interpreter")
+@pytest.mark.parametrize("layout", EARLY_CASES, ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
+@pytest.mark.parametrize("op", [OP_ROPE_CACHE, OP_DECODE, OP_PREFILL])
+def test_early_index_loads_change_no_byte(monkeypatch, op, layout):
+    """The kernel's early-index-loads order (positions, slots and the rope table before the
+    grid-dependency wait, the data after) computes exactly what its usual order computes: run
+    in the interpreter as on sm_90 (programmatic dependent launch simulated, its wait a no-op
+    there), every output byte-identical to a launch without the promise, and the reference's."""
+    from vllm_mla_fusion.backends import triton as tb
+
+    monkeypatch.setattr(tb, "_pdl_ok", lambda device: True)
+    monkeypatch.setattr(tb, "_wait_for_inputs", _no_wait)
+    args, check = {OP_ROPE_CACHE: (_rope_args, check_rope_cache_write),
+                   OP_DECODE: (_decode_args, check_decode_rope_cache_write),
+                   OP_PREFILL: (_prefill_args, check_prefill_rope_cache_write)}[op]  # fmt: skip
+    fp8_query = op == OP_DECODE and "scale" in layout
+    kind = dict(decode=op == OP_DECODE, prefill=op == OP_PREFILL,
+                q_out_dtype=torch.float8_e4m3fn if fp8_query else None, q_scale=0.7 if fp8_query else None)
+    outputs = []
+    for promised in (False, True):
+        c = make_case(seed=61, **layout, **kind)
+        bound = BoundOp(op, is_neox=c.is_neox, kv_cache_dtype=c.kv_cache_dtype, backend="triton",
+                        early_index_loads=promised)  # fmt: skip
+        bound(*args(c))
+        (site,) = _triton_sites(bound)
+        assert site.plan(c.q_pe.shape[0]).constexprs["EARLY_INDEX_LOADS"] is promised
+        check(c)
+        outputs.append([t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+                        for t in (c.q_pe, c.k_pe, c.kv_cache, c.q_out, c.k_out) if t is not None])  # fmt: skip
+    for default, early in zip(*outputs, strict=True):
+        assert torch.equal(default, early)

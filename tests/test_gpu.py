@@ -14,6 +14,9 @@ import vllm_mla_fusion as mla
 from vllm_mla_fusion import ops
 
 pytest.importorskip("triton", reason="the GPU tests run the Triton kernel")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from vllm_mla_fusion.backends import triton as triton_backend  # noqa: E402
 
 from .mla_cases import FP8_DTYPES, make_case, out_of_range_slot_case, scaled_fp8_case  # noqa: E402
@@ -495,3 +498,95 @@ def test_bound_ops_never_synchronize_with_the_gpu(op):
              OP_PREFILL: check_prefill_rope_cache_write}[code]  # fmt: skip
     for case in cases:
         check(case)
+
+
+# --- early index loads (issue 41, S2): safe only where the kernel before ours does not write them ---
+
+
+@triton.jit
+def _late_writer(dst_ptr, src_ptr, n, DELAY_NS: tl.constexpr, BLOCK: tl.constexpr):
+    """``dst[:n] = src[:n]``, written ``DELAY_NS`` after this kernel starts, having let the next
+    kernel start at once (``griddepcontrol.launch_dependents`` first, as kernels that trigger
+    their dependents early do): a launch of ours right after it that read ``dst`` before its
+    grid-dependency wait would read the old values."""
+    tl.extra.cuda.gdc_launch_dependents()
+    start = tl.extra.cuda.globaltimer()
+    now = start
+    while now - start < DELAY_NS:
+        now = tl.extra.cuda.globaltimer()
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(dst_ptr + i, tl.load(src_ptr + i, mask=m), mask=m)
+
+
+def _stale(name: str, new: torch.Tensor, max_pos: int) -> torch.Tensor:
+    """Values of ``name`` that give other results than ``new``: other positions, padding slots
+    (no row written), another rope table."""
+    if name == "positions":
+        return (new + 1) % max_pos
+    if name == "slot_mapping":
+        return torch.full_like(new, -1)
+    return torch.roll(new, 1, 0) * 0.5
+
+
+@pytest.mark.parametrize("promised", [False, True], ids=["public", "promised-racy"])
+@pytest.mark.parametrize("written", ["positions", "slot_mapping", "cos_sin_cache"])
+@pytest.mark.parametrize("op", ["rope_cache", "decode", "prefill"])
+def test_early_index_loads_only_where_the_kernel_before_writes_none_of_them(op, written, promised, record_property):
+    """The kernel launched just before ours writes the positions, the slot mapping or the rope
+    table (late: it lets ours start first, then writes 200 us later). Bound as the public ops
+    bind it (no ``early_index_loads`` promise), our launch reads them only after its
+    grid-dependency wait, so every iteration must match the reference computed with the new
+    values: a launch that read them early (the promise ignored, or the flag on by default)
+    would read the old ones and fail here. Bound with the promise, which this sequence breaks,
+    the reads are early and expected to race: those iterations are only run, and the number
+    that read the old values is recorded (``racy_iterations``: above 0 shows that this test
+    sees the race it guards against)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    from vllm_mla_fusion.binding import BoundOp
+    from vllm_mla_fusion.opcodes import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE
+
+    code = {"rope_cache": OP_ROPE_CACHE, "decode": OP_DECODE, "prefill": OP_PREFILL}[op]
+    kind = dict(decode=op == "decode", prefill=op == "prefill", nope_dim=128)
+    bound = BoundOp(code, is_neox=False, backend="triton", early_index_loads=promised)
+    args, check = {
+        OP_ROPE_CACHE: (lambda c: (), check_rope_cache_write),
+        OP_DECODE: (lambda c: (c.ql_nope, c.q_out, c.q_scale), check_decode_rope_cache_write),
+        OP_PREFILL: (lambda c: (c.k_nope, c.k_out, None), check_prefill_rope_cache_write),
+    }[code]  # fmt: skip
+
+    def launch(case):
+        bound(case.positions, case.q_pe, case.k_pe, case.kv_c, case.cos_sin_cache, case.slot_mapping, case.kv_cache,
+              case.kv_cache_scale, *args(case))  # fmt: skip
+
+    def make(seed):
+        return make_case(T=16, H=16, strided=False, block_size=16, device="cuda", seed=seed, **kind, **DSV3)
+
+    launch(make(3000))  # compiles: the iterations below take the direct launcher
+    torch.cuda.synchronize()
+    (site, _), = bound.sites.values()
+    constexprs = site.plan(16).constexprs
+    assert constexprs["USE_PDL"] is True and constexprs["EARLY_INDEX_LOADS"] is promised
+    racy = 0
+    for step in range(20):
+        case = make(3001 + step)
+        target = getattr(case, written)
+        assert target.is_contiguous()
+        new = target.clone()
+        target.copy_(_stale(written, new, case.cos_sin_cache.shape[0]))
+        torch.cuda.synchronize()
+        n = new.numel()
+        _late_writer[(triton.cdiv(n, 1024),)](target.view(-1), new.view(-1), n, DELAY_NS=200_000, BLOCK=1024)
+        launch(case)  # right after it, on the same stream
+        torch.cuda.synchronize()
+        assert torch.equal(target, new)
+        if not promised:
+            check(case)
+            continue
+        try:
+            check(case)
+        except AssertionError:
+            racy += 1
+    record_property("racy_iterations", racy)
+    print(f"{op} {written} promised={promised}: {racy} of 20 iterations read the old values")

@@ -21,6 +21,17 @@ layout, same validation result", never "same layer".
 
 The public ops (ops.py) and the vLLM plugin (one BoundOp per layer and op) share this
 path; the plugin never reads the environment or re-validates per step.
+
+``early_index_loads`` is a promise of the caller's, made when it builds its ops: *no kernel that
+can still be running when one of these ops starts writes its ``positions``, ``slot_mapping``,
+``cos_sin_cache`` or fp8 scales* (not the kernel launched just before it, nor an earlier one
+that a chain of programmatic dependent launches lets overlap it). With that promise, the Triton
+kernel reads those tensors before its grid-dependency wait on sm_90 (backends/triton.py,
+BoundLaunch; a scale's bits pick the program's power-of-two path there), while
+the previous kernel is still finishing; without it, it reads nothing before the wait. The vLLM
+plugin makes the promise (vLLM writes positions and slots in its input preparation, long before
+the layers run, and the rope table once); the public ops do not (a user may write positions
+with the kernel launched just before the call).
 """
 
 from __future__ import annotations
@@ -36,7 +47,8 @@ from .opcodes import OP_DECODE, OP_NAMES, OP_PREFILL, OP_ROPE_CACHE
 
 class Site(Protocol):
     """A backend's launch for one validated layout: ``site(T, ...)`` with every tensor of the call
-    and op 3's ``key_start`` (0 for ops 1 and 2)."""
+    and op 3's ``key_start`` (0 for ops 1 and 2). A backend's ``bind(p, op, is_neox, is_nope_first,
+    *tensors, early_index_loads)`` makes it, the flag last and positional like the rest."""
 
     def __call__(self, T: int, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache,
                  kv_cache_scale, nope, out, out_scale, key_start: int) -> None: ...  # fmt: skip
@@ -78,12 +90,14 @@ class BoundOp:
     ``backend``: "torch", "triton", "aiter" or "auto" (by device, dispatch.resolve), fixed
     here: no environment is read per call.
     ``debug``: also check index values on the host each call (validation.py).
+    ``early_index_loads``: the caller's promise (module docstring) that lets the kernel read the
+    index tensors and the rope table before its grid-dependency wait; False unless promised.
     """
 
     MAX_SITES = 64  # distinct layouts kept; a model has a handful per op
 
     def __init__(self, op: int, *, is_neox: bool, kv_cache_dtype: str = "auto", is_nope_first: bool = True,
-                 backend: str = "auto", debug: bool = False) -> None:  # fmt: skip
+                 backend: str = "auto", debug: bool = False, early_index_loads: bool = False) -> None:  # fmt: skip
         if op not in OP_NAMES:
             raise ValueError(f"op must be one of {sorted(OP_NAMES)}, got {op!r}")
         self.op = op
@@ -92,6 +106,7 @@ class BoundOp:
         self.is_nope_first = is_nope_first
         self.backend = backend
         self.debug = debug
+        self.early_index_loads = early_index_loads
         self.qualname = f"mla_fusion::{OP_NAMES[op]}"
         self.sites: dict[tuple, tuple[Site, str]] = {}
 
@@ -167,7 +182,8 @@ class BoundOp:
             # that depends on it (AITER's kernels) is the site's, per call.
             layout_problem = dataclasses.replace(p, num_tokens=1)
             name = dispatch.resolve(self.backend, args[1].device, decode=self.op == OP_DECODE, problem=layout_problem)
-            site = dispatch.load(name).bind(p, self.op, self.is_neox, self.is_nope_first, *args)
+            site = dispatch.load(name).bind(p, self.op, self.is_neox, self.is_nope_first, *args,
+                                            self.early_index_loads)  # fmt: skip
             if len(self.sites) >= self.MAX_SITES:
                 self.sites.clear()
             entry = self.sites[key] = (site, name)
@@ -177,10 +193,11 @@ class BoundOp:
 
 class BoundOps:
     """The BoundOps of one owner (a vLLM layer, a module), made on first use per flag set, all
-    with the same backend and debug mode, fixed when the owner is built."""
+    with the same backend, debug mode and ``early_index_loads`` promise (module docstring),
+    fixed when the owner is built."""
 
-    def __init__(self, backend: str = "auto", debug: bool = False) -> None:
-        self.backend, self.debug = backend, debug
+    def __init__(self, backend: str = "auto", debug: bool = False, early_index_loads: bool = False) -> None:
+        self.backend, self.debug, self.early_index_loads = backend, debug, early_index_loads
         self._ops: dict[tuple, BoundOp] = {}
 
     def get(self, op: int, kv_cache_dtype: str, is_neox: bool, is_nope_first: bool = True) -> BoundOp:
@@ -189,5 +206,5 @@ class BoundOps:
         if bound is None:
             bound = self._ops[key] = BoundOp(op, is_neox=is_neox, kv_cache_dtype=kv_cache_dtype,
                                              is_nope_first=is_nope_first, backend=self.backend,
-                                             debug=self.debug)  # fmt: skip
+                                             debug=self.debug, early_index_loads=self.early_index_loads)  # fmt: skip
         return bound

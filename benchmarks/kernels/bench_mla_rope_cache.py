@@ -348,6 +348,17 @@ class Impls:
     def __init__(self, args, d: Dims, device, fp8_dtype):
         self.args, self.d, self.device, self.fp8_dtype = args, d, device, fp8_dtype
         self._cos_sin_act = None
+        # --plugin-launches: "triton" launches as the vLLM plugin's layers do, bound with the
+        # early_index_loads promise (binding.py; nothing here writes positions, slots or cos/sin
+        # between calls), which on sm_90 reads them before the grid-dependency wait.
+        self._plugin_ops = None
+        if getattr(args, "plugin_launches", False):
+            from vllm_mla_fusion.binding import BoundOps
+
+            self._plugin_ops = BoundOps("triton", early_index_loads=True)
+
+    def _plugin_op(self, op: int, kv_cache_dtype: str):
+        return self._plugin_ops.get(op, kv_cache_dtype, self.d.is_neox)
 
     def check_applicable(self, impl: str, cfg: Config) -> None:
         """Raise Unavailable when ``impl`` cannot run ``cfg``."""
@@ -421,6 +432,19 @@ class Impls:
                 mla_decode_rope_cache_write(x.positions, x.ql_nope, x.q_pe, x.k_pe, x.kv_c, x.cos_sin_cache, neox,
                                             x.slot_mapping, x.kv_cache, x.q_out, x.kv_cache_dtype,
                                             x.kv_cache_scale, x.q_scale, backend=backend)  # fmt: skip
+
+            if impl == "triton" and self._plugin_ops is not None:
+                from vllm_mla_fusion.opcodes import OP_DECODE, OP_ROPE_CACHE
+
+                def op1(x):  # noqa: F811 - as the plugin launches it
+                    self._plugin_op(OP_ROPE_CACHE, x.kv_cache_dtype)(
+                        x.positions, x.q_pe, x.k_pe, x.kv_c, x.cos_sin_cache, x.slot_mapping, x.kv_cache,
+                        x.kv_cache_scale)  # fmt: skip
+
+                def op2(x):  # noqa: F811
+                    self._plugin_op(OP_DECODE, x.kv_cache_dtype)(
+                        x.positions, x.q_pe, x.k_pe, x.kv_c, x.cos_sin_cache, x.slot_mapping, x.kv_cache,
+                        x.kv_cache_scale, x.ql_nope, x.q_out, x.q_scale)  # fmt: skip
 
             if cfg.op == "prefill":
                 return lambda: op1(v)
@@ -496,6 +520,12 @@ class Impls:
 
             q_pe, k_pe = (v.q_dense, v.k_dense) if impl == "triton_dense" else (v.q_pe, v.k_pe)
             backend = "torch" if impl == "torch_ref" else "triton"
+            if impl == "triton" and self._plugin_ops is not None:  # as the plugin launches it
+                from vllm_mla_fusion.opcodes import OP_PREFILL
+
+                bound = self._plugin_op(OP_PREFILL, v.kv_cache_dtype)
+                return lambda: bound(v.positions, q_pe, k_pe, v.kv_c, v.cos_sin_cache, v.slot_mapping, v.kv_cache,
+                                     v.kv_cache_scale, v.k_nope, v.k_out, None)  # fmt: skip
             return lambda: mla_prefill_rope_cache_write(v.positions, q_pe, k_pe, v.kv_c, v.k_nope, v.cos_sin_cache,
                                                         neox, v.slot_mapping, v.kv_cache, v.k_out,
                                                         v.kv_cache_dtype, v.kv_cache_scale,
@@ -1250,6 +1280,10 @@ def parse_args(argv=None):
         default=480.0,
         help="skip the remaining configs once this much time has passed (default: %(default)s)",
     )
+    p.add_argument("--plugin-launches", action="store_true",
+                   help="launch this project's op ('triton') as the vLLM plugin does: bound with the early-index-loads "
+                   "promise (binding.py), which on sm_90 reads positions, slots and cos/sin before the "
+                   "grid-dependency wait; the default is the public ops, which never do")  # fmt: skip
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failing implementations")
     # Dimensions (DeepSeek-V3 by default; --smoke shrinks them).
@@ -1311,7 +1345,7 @@ def main(argv=None) -> int:
         "ql_nope": "[H, T, L].transpose(0, 1) (bmm output)", "slots": "random permutation (unique, no padding)",
         "positions": "uniform random in [0, max_position)", "repeats": args.repeats, "target_us": args.target_us,
         "max_calls": args.max_calls, "rotate_factor": args.rotate_factor, "L2_bytes": runner.l2,
-        "check_max_tokens": args.check_max_tokens, "seed": args.seed,
+        "check_max_tokens": args.check_max_tokens, "seed": args.seed, "plugin_launches": args.plugin_launches,
     }  # fmt: skip
     for k, v in config_info.items():
         log(f"  {k}: {v}")

@@ -1,14 +1,16 @@
 """The Triton kernel compiles for H100/H200 (sm_90), on a CPU, in CI.
 
 A compile check, not a run: every op and every store mode the host code selects
-on a Hopper GPU goes through Triton's NVIDIA backend to PTX and a cubin
+on a Hopper GPU, bound as the public ops bind it and as the vLLM plugin does (the
+early-index-loads promise), goes through Triton's NVIDIA backend to PTX and a cubin
 (tests/cuda_compile.py: the launch arguments are recorded from a real call of
 the backend on a simulated CUDA machine; ptxas ships in the triton wheel).
 Asserted: it compiles, no register spills and no stack frame, the hardware fp8
 conversion exactly where ``_native_fp8_ok`` says sm_90 has it (e4m3fn, e5m2; the
 bit encoder for e4m3fnuz), and programmatic dependent launch's instructions in
-every variant (``_pdl_ok``). Registers per thread and a hash of each variant's
-PTX: ``python -m tests.cuda_compile``. ~40 s per Triton: one subprocess each.
+every variant (``_pdl_ok``), and the order of the loads around its wait (issue 41,
+S2). Registers per thread and a hash of each variant's PTX: ``python -m
+tests.cuda_compile``. ~70 s per Triton on 2 cores (60 variants): one subprocess each.
 
 The same checks run under the GPU image's Triton (``aot_compile.OTHER_TRITON``, 3.6,
 installed once per machine from pip, ~640 MB; every result says which Triton compiled
@@ -64,3 +66,41 @@ def test_hardware_fp8_conversion_exactly_where_the_gpu_has_it(compiled, arch, v)
     # Programmatic dependent launch on sm_90: the kernel waits for its inputs, then lets the next one start.
     assert r["pdl"] is True
     assert r["griddepcontrol"] == ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
+
+
+# The loads each kind of program makes before its rope table: the index tensors (issue 41, S2).
+INDEX = {"cache": {"pos_ptr", "slot_ptr"}, "query": {"pos_ptr"}}
+ROPE_INPUT = {"cache": "k_pe_ptr", "query": "q_pe_ptr"}
+
+
+@pytest.mark.parametrize("v", VARIANTS, ids=lambda v: f"{v.op}-{v.label}")
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_index_and_table_loads_come_before_the_wait_only_where_promised(compiled, arch, v):
+    """As the public ops bind it, the kernel waits for the previous kernel before any load; as
+    the vLLM plugin binds it (binding.py's ``early_index_loads`` promise), each kind of program
+    loads its positions (and slots) and its rope-table rows, then waits, then loads its data.
+    Either way the data a rotation takes (k_pe, q_pe) is loaded before the rope table, whose
+    address waits for the position (Triton IR, load by load; PTX: the waits and the global
+    loads before the first)."""
+    r = compiled[(arch, v.op, v.label)]
+    order = r["load_order"]
+    assert r["early_index_loads"] is v.early
+    if not v.early:
+        assert order["entry"] == ["wait"] and (r["waits"], r["loads_before_wait"]) == (1, 0), r
+    else:
+        # One wait per program kind, twice for a kind compiled for a power-of-two scale too.
+        assert order["entry"] == [] and r["waits"] >= 2 and r["loads_before_wait"] > 0, r
+    for program in ("cache", "query"):
+        loads = order[program]
+        # A scaled store's program first reads its scale's bits, which pick the power-of-two
+        # copy (backends/triton.py, _scale_is_pow2): under the promise, before the wait too.
+        if loads and loads[0] in ("cache_scale_ptr", "out_scale_ptr"):
+            loads = loads[1:]
+        early = INDEX[program] | {"cos_sin_ptr"}
+        assert loads[: len(INDEX[program])] == sorted(INDEX[program]), loads  # pos_ptr, then slot_ptr
+        if v.early:
+            k = loads.index("wait")
+            assert set(loads[:k]) == early and not early & set(loads[k + 1 :]), loads
+            assert loads.count("wait") == 1
+        else:
+            assert "wait" not in loads and loads.index(ROPE_INPUT[program]) < loads.index("cos_sin_ptr"), loads

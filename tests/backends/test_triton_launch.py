@@ -347,3 +347,41 @@ def test_plans_hand_constexprs_over_in_the_kernels_order():
     fp8_out = tb.bind(p, 3, True, True, *t8.values())
     assert fp8_out.out_view == "bytes" and fp8_out.plan(64).constexprs["OUT_STORE"] == "float8_e4m3fn/bits"
     assert plan.constexprs["OUT_STORE"] == "plain"
+
+
+# --- S2 (issue 41): the cache's block size and the early index loads, decided when bound ----------
+
+
+@pytest.mark.parametrize("op", [1, 2, 3])
+def test_early_index_loads_need_the_promise_pdl_and_unit_stride_indices(monkeypatch, op):
+    """``EARLY_INDEX_LOADS`` (positions, slots and cos/sin read before the grid-dependency wait)
+    is on only where the caller promised it (binding.py's ``early_index_loads``), the launch
+    uses programmatic dependent launch, and the index tensors are read in place: strided ones
+    are copied by the host just before the launch, and that copy is the kernel before ours."""
+    p = Problem(64, 4, 32, 16, torch.float32, nope_dim=8 if op == 3 else None)
+    t = _tensors(op, 64)
+    for pdl in (False, True):
+        monkeypatch.setattr(tb, "_pdl_ok", lambda device, pdl=pdl: pdl)
+        for promised in (False, True):
+            launch = tb.bind(p, op, True, True, *t.values(), promised)
+            assert launch.early_index_loads is promised
+            c = launch.plan(64).constexprs
+            assert c["USE_PDL"] is pdl and c["EARLY_INDEX_LOADS"] is (promised and pdl)
+            assert c["BLOCK_SIZE"] == t["kv_cache"].shape[1] == 16
+        strided = dict(t, positions=torch.arange(128)[::2])
+        launch = tb.bind(p, op, True, True, *strided.values(), True)
+        assert launch.copy_index and not launch.early_index_loads
+        assert launch.plan(64).constexprs["EARLY_INDEX_LOADS"] is False
+    assert tb.bind(p, op, True, True, *t.values()).early_index_loads is False  # not promised by default
+
+
+def test_the_block_size_is_a_constexpr_of_the_bound_layout():
+    """The cache's block size is a constexpr (``slot // BLOCK_SIZE`` compiles to a shift, not a
+    64-bit division by a runtime value): each block size its own variant, bound with the layout."""
+    t = _tensors(1, 8)
+    p = Problem(8, 4, 32, 16, torch.float32)
+    for block_size in (1, 16, 64, 48):
+        cache = torch.empty(256 // block_size + 1, block_size, 48)
+        plan = tb.bind(p, 1, True, True, *dict(t, kv_cache=cache).values()).plan(8)
+        assert plan.constexprs["BLOCK_SIZE"] == block_size
+        assert plan.values[tb._CONSTEXPR_NAMES.index("BLOCK_SIZE")] == block_size

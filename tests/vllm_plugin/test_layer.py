@@ -301,6 +301,39 @@ def _run_schedule(vllm_cpu, layer_pair, monkeypatch, backend_module):
             assert torch.equal(cache[untouched], canary[untouched]), f"{step.name}: {name} wrote elsewhere"
 
 
+@pytest.mark.parametrize("layer_pair", [TRITON_LAYOUTS[0], TRITON_LAYOUTS[3]], ids=["decode", "rope_cache"],
+                         indirect=True)  # fmt: skip
+def test_fused_layers_bind_their_ops_with_the_early_index_loads_promise(vllm_cpu, layer_pair, monkeypatch):
+    """A fused layer's ops are bound with binding.py's ``early_index_loads`` promise
+    (custom_ops.EARLY_INDEX_LOADS says why vLLM keeps it), in both modes: on an sm_90 GPU every
+    launch they make reads its positions, slots and rope-table rows before the grid-dependency
+    wait, with the cache's block size a constexpr. (The public ops never promise it:
+    tests/test_binding.py.)"""
+    from vllm_mla_fusion.backends import triton as triton_backend
+    from vllm_mla_fusion.vllm_plugin import custom_ops
+
+    _, on = layer_pair
+    mla = H.mla_layer(on)[1]
+    builder = vllm_cpu.builder([mla.layer_name])
+    requests, steps = schedule()
+    g = torch.Generator().manual_seed(11)
+    for step in steps[:4]:  # a prefill, two decodes, a mixed batch
+        common = H.prepare_step(step, requests)
+        with vllm_cpu.active():
+            metadata = builder.build(0, common)
+        H.run_step(vllm_cpu, on, metadata, step, torch.randn((step.positions.numel(), HIDDEN), generator=g).to(H.DTYPE))
+    assert custom_ops.EARLY_INDEX_LOADS is True and mla._bound_ops.early_index_loads is True
+    bound = list(mla._bound_ops._ops.values())
+    launches = [site for op in bound for site, _ in op.sites.values()]
+    assert bound and all(op.early_index_loads for op in bound)
+    assert len(launches) >= (2 if on.mla_attn.fusion_mode == "decode" else 1)  # ops 2 and 3, or op 1
+    assert all(isinstance(launch, triton_backend.BoundLaunch) and launch.early_index_loads for launch in launches)
+    monkeypatch.setattr(triton_backend, "_pdl_ok", lambda device: True)  # as on an H100/H200
+    for launch in launches:
+        c = launch.plan(3).constexprs
+        assert c["USE_PDL"] is True and c["EARLY_INDEX_LOADS"] is True and c["BLOCK_SIZE"] == H.BLOCK_SIZE
+
+
 @pytest.mark.parametrize("layer_pair", [*LAYOUTS[:2], LAYOUTS[6]], ids=[*LAYOUT_IDS[:2], LAYOUT_IDS[6]], indirect=True)
 def test_compiled_forward_matches_eager(vllm_cpu, layer_pair):
     """The fused forward traces into one graph (the ops are custom ops with fakes) and computes the same."""

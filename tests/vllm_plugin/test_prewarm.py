@@ -109,3 +109,46 @@ def test_only_the_ops_a_layer_can_launch_are_compiled(vllm_cpu, plugin_on, monke
                                                                          original(launch, *a))[1])  # fmt: skip
     _profile_step(vllm_cpu, attn, 24, seed=3)
     assert {op for op, forced in ops if forced is not None} == {tb.OP_ROPE_CACHE.value}
+
+
+def test_the_variants_compiled_ahead_are_the_ones_the_steps_launch(vllm_cpu, triton_layer, monkeypatch):
+    """The profile run compiles through the layer's own bound ops (their early-index-loads
+    promise) and a scratch cache of the layer's block size: each launch of the steps that
+    follow has exactly the constexprs of a launch forced in the profile run (tiles, store
+    formats, ``BLOCK_SIZE``, ``EARLY_INDEX_LOADS``), so it runs a binary compiled ahead. As on
+    an sm_90 GPU: programmatic dependent launch on (its wait a no-op in the interpreter)."""
+    from vllm_mla_fusion.backends import triton as tb
+
+    from ..test_binding import _no_wait
+
+    monkeypatch.setattr(tb, "_pdl_ok", lambda device: True)
+    monkeypatch.setattr(tb, "_wait_for_inputs", _no_wait)
+    launches = []
+    original = tb.BoundLaunch.__call__
+
+    def recording(launch, T, *args):
+        launches.append((tb.LAUNCH_CONFIG_OVERRIDE is not None, launch.op, launch.plan(T).constexprs))
+        return original(launch, T, *args)
+
+    monkeypatch.setattr(tb.BoundLaunch, "__call__", recording)
+    _profile_step(vllm_cpu, triton_layer, 64, seed=4)
+    ahead = [(op, c) for forced, op, c in launches if forced]
+    assert ahead and all(c["EARLY_INDEX_LOADS"] and c["BLOCK_SIZE"] == H.BLOCK_SIZE for _, c in ahead)
+    launches.clear()
+
+    mla = H.mla_layer(triton_layer)[1]
+    builder = vllm_cpu.builder([mla.layer_name])
+    requests = {0: H.Request([5, 2, 9, 12]), 1: H.Request([0, 7, 3, 14]), 2: H.Request([1, 10, 4, 6])}
+    steps = [H.Step("prefill", [(0, 13), (1, 29)]), H.Step("decode", [(0, 1), (1, 1)]),
+             H.Step("mixed", [(0, 1), (1, 1), (2, 20)]), H.Step("padded decode", [(0, 1), (1, 1)], pad_to=8)]  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    for step in steps:
+        common = H.prepare_step(step, requests)
+        with vllm_cpu.active():
+            metadata = builder.build(0, common)
+        hidden = torch.randn((step.positions.numel(), H.DSV3_CONFIG["hidden_size"]), generator=g).to(H.DTYPE)
+        H.run_step(vllm_cpu, triton_layer, metadata, step, hidden)
+    served = [(op, c) for forced, op, c in launches if not forced]
+    assert served and not any(forced for forced, _, _ in launches)
+    for op, c in served:
+        assert (op, c) in ahead, (op, c)

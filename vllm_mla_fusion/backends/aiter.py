@@ -706,7 +706,9 @@ class BoundDecode:
 
 def bind(p: Problem, op: int, is_neox: bool, is_nope_first: bool, *tensors):
     """AITER for op 2 (``BoundDecode``); ops 1 and 3, which AITER's fused op does not compute
-    (it leaves q_pe and k_pe unrotated and builds no key), are the Triton kernel's."""
+    (it leaves q_pe and k_pe unrotated and builds no key), are the Triton kernel's. ``tensors``:
+    the layout's tensors and binding.py's ``early_index_loads``, handed to the Triton binding
+    as they come."""
     # Imported here: dispatch imports this module on every machine, and the triton package is optional.
     from . import triton as triton_backend
 

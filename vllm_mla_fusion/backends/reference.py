@@ -119,8 +119,9 @@ def prefill_rope_cache_write(p: Problem, positions, q_pe, k_pe, kv_c, k_nope, co
     k_pe.copy_(k_rot.to(k_pe.dtype).view(k_pe.shape))
 
 
-def bind(p: Problem, op: int, is_neox: bool, is_nope_first: bool, *_layout_tensors):
-    """The reference for one validated layout (binding.py): nothing to precompute but the op."""
+def bind(p: Problem, op: int, is_neox: bool, is_nope_first: bool, *_layout):
+    """The reference for one validated layout (binding.py): nothing to precompute but the op
+    (the layout's tensors and ``early_index_loads`` change nothing here)."""
 
     def site(T, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale, nope, out,
              out_scale, key_start=0) -> None:  # fmt: skip

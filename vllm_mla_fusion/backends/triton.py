@@ -20,10 +20,24 @@ Splitting the two lets a decode step (few tokens, many heads) spread over many
 programs, while every program keeps a tile of a few thousand elements so large
 prefills stay bandwidth-bound. Everything is computed in float32 and rounded
 once on store. Token, block and slot indices are widened to int64 before they
-multiply a stride, so tensors past 2**31 elements are addressed correctly.
+multiply a stride, so tensors past 2**31 elements are addressed correctly; the
+cache's block size is a constexpr (``BLOCK_SIZE``), so a slot's block and row
+within it are a shift and a mask (a multiply for other block sizes), not a
+64-bit division by a runtime value.
 
-The entry point takes 51 parameters: 11 pointers, 6 sizes, 18 strides and 16
-constexprs (sizes, op, rotation style, tiles, PDL, and one store format for each of
+With programmatic dependent launch (sm_90), a program first waits for the
+kernel launched before it (``_wait_for_inputs``). Launches bound with
+``EARLY_INDEX_LOADS`` (the caller's promise that no kernel still running when
+ours starts writes the positions, slots or rope table: binding.py; the vLLM
+plugin makes it, the public ops do not) load those first, wait, then load their
+data, overlapping the previous kernel's tail as K3's ops do. Either way the data
+a rotation takes is loaded before its rope-table rows, whose address waits for
+the position.
+
+The entry point takes 53 parameters: 11 pointers, 6 sizes (``block_size`` no
+longer read, kept in place until the parameters are regrouped), 18 strides and 18
+constexprs (sizes, op, rotation style, tiles, PDL, the cache's block size, the
+early index loads, and one store format for each of
 the two stores, the cache and the output: ``_store_mode`` names it, e.g.
 ``"float8_e4m3fnuz/bits/scaled"``, and the kernel derives the rounding mode, the
 scale and the fp8 format's constants from it through constexpr functions,
@@ -213,18 +227,29 @@ def _round_for_store(x, scale, inv_scale, out_ptr, STORE: tl.constexpr):
 
 
 @triton.jit
-def _rotate(x_ptr, row_off, cos_ptr, sin_ptr, cs_off, mask, IS_NEOX: tl.constexpr,
-            R: tl.constexpr, BLOCK_R2: tl.constexpr, stride_x, stride_cs, ROWS: tl.constexpr):  # fmt: skip
-    """Load rows of x ``[ROWS, R]`` at ``x_ptr + row_off`` and rotate them in float32.
-
-    Returns ``(first, second)`` halves of the result as ``[ROWS, BLOCK_R2]``:
-    for GPT-J, the even and odd elements; for NeoX, the lower and upper halves.
-    """
+def _load_cos_sin(cos_ptr, pos, max_pos, mask, R: tl.constexpr, BLOCK_R2: tl.constexpr, stride_cs_p,
+                  stride_cs):  # fmt: skip
+    """The rope table's rows ``[cos | sin]`` (``cos_ptr``: the table) at positions ``pos``, clamped
+    into ``[0, max_pos)``, as ``(cos, sin)`` ``[ROWS, BLOCK_R2]`` in float32 (1 and 0 where
+    ``mask`` is off)."""
+    pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)  # clamp: never read past the table
+    cs_off = pos * stride_cs_p
+    sin_ptr = cos_ptr + (R // 2) * stride_cs
     i = tl.arange(0, BLOCK_R2)
-    i_mask = i < R // 2
-    m2 = mask[:, None] & i_mask[None, :]
+    m2 = mask[:, None] & (i < R // 2)[None, :]
     cos = tl.load(cos_ptr + cs_off[:, None] + i[None, :] * stride_cs, mask=m2, other=1.0).to(tl.float32)
     sin = tl.load(sin_ptr + cs_off[:, None] + i[None, :] * stride_cs, mask=m2, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def _load_halves(x_ptr, row_off, mask, IS_NEOX: tl.constexpr, R: tl.constexpr, BLOCK_R2: tl.constexpr, stride_x,
+                 ROWS: tl.constexpr):  # fmt: skip
+    """Rows of x ``[ROWS, R]`` at ``x_ptr + row_off`` as the halves a rotation pairs, ``(first, second)``
+    ``[ROWS, BLOCK_R2]`` in float32: for GPT-J, the even and odd elements; for NeoX, the lower
+    and upper halves."""
+    i = tl.arange(0, BLOCK_R2)
+    m2 = mask[:, None] & (i < R // 2)[None, :]
     if IS_NEOX:
         x1 = tl.load(x_ptr + row_off[:, None] + i[None, :] * stride_x, mask=m2, other=0.0).to(tl.float32)
         x2 = tl.load(x_ptr + row_off[:, None] + (i[None, :] + R // 2) * stride_x, mask=m2, other=0.0)
@@ -236,7 +261,24 @@ def _rotate(x_ptr, row_off, cos_ptr, sin_ptr, cs_off, mask, IS_NEOX: tl.constexp
         mr = mask[:, None] & (r < R)[None, :]
         x = tl.load(x_ptr + row_off[:, None] + r[None, :] * stride_x, mask=mr, other=0.0).to(tl.float32)
         x1, x2 = tl.split(tl.reshape(x, [ROWS, BLOCK_R2, 2]))
+    return x1, x2
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin):
+    """The rotated halves (``_load_halves``'s, by ``_load_cos_sin``'s table rows), in float32."""
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _wait_for_inputs(USE_PDL: tl.constexpr):
+    """With programmatic dependent launch (sm_90+), wait until the kernel launched before this one
+    has finished and its writes are visible, then let the next kernel get scheduled. A program
+    launched early overlaps the previous kernel's tail until here: no load before this call may
+    read what that kernel writes."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -286,7 +328,7 @@ def _mla_rope_cache_kernel(
     # sizes
     num_tokens,
     max_pos,
-    block_size,
+    block_size,  # unused (the kernel divides by BLOCK_SIZE); kept in its place in the launchers' argument order
     num_slots,  # num_blocks * block_size: slots at or past it write nothing
     n_cache_programs,
     key_start,  # op 3: first token with a key row (k_nope / k_out row t - key_start); 0 for ops 1 and 2
@@ -315,52 +357,58 @@ def _mla_rope_cache_kernel(
     BLOCK_H: tl.constexpr,  # heads per k_out store in a cache program (op 3)
     BLOCK_R2: tl.constexpr,  # next_power_of_2(R // 2)
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (sm_90+)
+    BLOCK_SIZE: tl.constexpr,  # the cache's block size (slot // BLOCK_SIZE: no division by a runtime value)
+    EARLY_INDEX_LOADS: tl.constexpr,  # with USE_PDL: positions, slots and cos/sin read before the wait (BoundLaunch)
 ):  # fmt: skip
-    if USE_PDL:
+    if not EARLY_INDEX_LOADS:
         # Launched early, overlapping the previous kernel's tail: wait for its writes
         # (our inputs) before touching memory, then let the next kernel get scheduled.
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        _wait_for_inputs(USE_PDL)
     pid = tl.program_id(0)
     # Each kind of program lives in its own function so that their locals (tiles of
     # different shapes) never meet in one scope. A scaled fp8 store whose scale is a power of
     # two (vLLM's default, 1.0) runs a program specialized to it (one multiply per element,
-    # _round_for_store): the branch holds the whole program, so no tile crosses it.
+    # _round_for_store): the branch holds the whole program, so no tile crosses it. With
+    # EARLY_INDEX_LOADS the scale's bits are read before the wait too (binding.py's promise).
     if pid < n_cache_programs:
         if _scale_is_pow2(cache_scale_ptr, CACHE_STORE):
             _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr,
-                           out_ptr, num_tokens, max_pos, block_size, num_slots, key_start, stride_cs_p, stride_cs_r,
+                           out_ptr, num_tokens, max_pos, num_slots, key_start, stride_cs_p, stride_cs_r,
                            stride_k_t, stride_k_r, stride_c_t, stride_c_l, stride_kv_b, stride_kv_s, stride_kv_d,
                            stride_o_t, stride_o_h, stride_o_d, H, L, R, NOPE, IS_NEOX, OP,
-                           _pow2_scaled(CACHE_STORE), OUT_STORE, BLOCK_T, BLOCK_L, BLOCK_H, BLOCK_R2)  # fmt: skip
+                           _pow2_scaled(CACHE_STORE), OUT_STORE, BLOCK_T, BLOCK_L, BLOCK_H, BLOCK_R2, USE_PDL,
+                           BLOCK_SIZE, EARLY_INDEX_LOADS)  # fmt: skip
         else:
             _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr,
-                           out_ptr, num_tokens, max_pos, block_size, num_slots, key_start, stride_cs_p, stride_cs_r,
+                           out_ptr, num_tokens, max_pos, num_slots, key_start, stride_cs_p, stride_cs_r,
                            stride_k_t, stride_k_r, stride_c_t, stride_c_l, stride_kv_b, stride_kv_s, stride_kv_d,
                            stride_o_t, stride_o_h, stride_o_d, H, L, R, NOPE, IS_NEOX, OP,
-                           CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_L, BLOCK_H, BLOCK_R2)  # fmt: skip
+                           CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_L, BLOCK_H, BLOCK_R2, USE_PDL, BLOCK_SIZE,
+                           EARLY_INDEX_LOADS)  # fmt: skip
     else:
         if _scale_is_pow2(out_scale_ptr, OUT_STORE):
             _query_program(pid - n_cache_programs, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_scale_ptr,
                            num_tokens, max_pos, key_start, stride_cs_p, stride_cs_r, stride_q_t, stride_q_h,
                            stride_q_r, stride_n_t, stride_n_h, stride_n_d, stride_o_t, stride_o_h, stride_o_d,
                            H, R, NOPE, IS_NEOX, OP, NOPE_FIRST, _pow2_scaled(OUT_STORE), BLOCK_ROWS, BLOCK_N,
-                           BLOCK_R2)  # fmt: skip
+                           BLOCK_R2, USE_PDL, EARLY_INDEX_LOADS)  # fmt: skip
         else:
             _query_program(pid - n_cache_programs, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_scale_ptr,
                            num_tokens, max_pos, key_start, stride_cs_p, stride_cs_r, stride_q_t, stride_q_h,
                            stride_q_r, stride_n_t, stride_n_h, stride_n_d, stride_o_t, stride_o_h, stride_o_d,
-                           H, R, NOPE, IS_NEOX, OP, NOPE_FIRST, OUT_STORE, BLOCK_ROWS, BLOCK_N, BLOCK_R2)  # fmt: skip
+                           H, R, NOPE, IS_NEOX, OP, NOPE_FIRST, OUT_STORE, BLOCK_ROWS, BLOCK_N, BLOCK_R2, USE_PDL,
+                           EARLY_INDEX_LOADS)  # fmt: skip
 
 
 @triton.jit
 def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr, out_ptr,
-                   num_tokens, max_pos, block_size, num_slots, key_start, stride_cs_p, stride_cs_r,
+                   num_tokens, max_pos, num_slots, key_start, stride_cs_p, stride_cs_r,
                    stride_k_t, stride_k_r, stride_c_t, stride_c_l, stride_kv_b, stride_kv_s, stride_kv_d,
                    stride_o_t, stride_o_h, stride_o_d,
                    H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, NOPE: tl.constexpr, IS_NEOX: tl.constexpr,
                    OP: tl.constexpr, CACHE_STORE: tl.constexpr, OUT_STORE: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R2: tl.constexpr):  # fmt: skip
+                   BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R2: tl.constexpr, USE_PDL: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr):  # fmt: skip
     """BLOCK_T tokens: rotate k_pe (in place for ops 1 and 3), write [kv_c | rope(k_pe)] at each slot
     in [0, num_slots); op 3 also writes rope(k_pe) into the key row of every head (tokens from
     key_start on).
@@ -370,23 +418,29 @@ def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cach
     This program is the only one that reads or writes k_pe, which is what makes the
     in-place rotation safe while op 3's key rows need the un-rotated value.
 
-    Every load that does not depend on the position is issued before any store: the
-    compiler may not move a load above a store that could alias it, and on small batches
-    each serialized round trip to memory is a visible part of the kernel's time.
+    Every load is issued before any store: the compiler may not move a load above a store
+    that could alias it, and on small batches each serialized round trip to memory is a
+    visible part of the kernel's time. The loads that do not depend on the position (kv_c,
+    k_pe) go out before the rope table's, which waits for the position to arrive; with
+    ``EARLY_INDEX_LOADS`` the positions, slots and table rows are read first, before the
+    grid-dependency wait, overlapping the previous kernel's tail (BoundLaunch says when).
     """
     t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = t < num_tokens
     pos = tl.load(pos_ptr + t, mask=t_mask, other=0).to(tl.int64)
     slot = tl.load(slot_ptr + t, mask=t_mask, other=-1).to(tl.int64)
+    if EARLY_INDEX_LOADS:
+        cos, sin = _load_cos_sin(cos_sin_ptr, pos, max_pos, t_mask, R, BLOCK_R2, stride_cs_p, stride_cs_r)
+        _wait_for_inputs(USE_PDL)
     col = tl.arange(0, BLOCK_L)
     c_mask = t_mask[:, None] & (col < L)[None, :]
     c = tl.load(kv_c_ptr + t[:, None] * stride_c_t + col[None, :] * stride_c_l, mask=c_mask, other=0.0)
     scale, inv_scale = _load_scale(cache_scale_ptr, CACHE_STORE)
-    pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)  # clamp: never read past the table
     k_off = t * stride_k_t
-    sin_ptr = cos_sin_ptr + (R // 2) * stride_cs_r
-    k1, k2 = _rotate(k_pe_ptr, k_off, cos_sin_ptr, sin_ptr, pos * stride_cs_p, t_mask, IS_NEOX, R, BLOCK_R2,
-                     stride_k_r, stride_cs_r, BLOCK_T)  # fmt: skip
+    k1, k2 = _load_halves(k_pe_ptr, k_off, t_mask, IS_NEOX, R, BLOCK_R2, stride_k_r, BLOCK_T)
+    if not EARLY_INDEX_LOADS:
+        cos, sin = _load_cos_sin(cos_sin_ptr, pos, max_pos, t_mask, R, BLOCK_R2, stride_cs_p, stride_cs_r)
+    k1, k2 = _rotate(k1, k2, cos, sin)
     if OP != OP_DECODE:
         _store_rotated(k_pe_ptr, k_off, k1.to(k_pe_ptr.dtype.element_ty), k2.to(k_pe_ptr.dtype.element_ty),
                        t_mask, IS_NEOX, R, BLOCK_R2, stride_k_r, BLOCK_T)  # fmt: skip
@@ -408,7 +462,9 @@ def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cach
                            stride_o_d, ROWS)  # fmt: skip
     write = t_mask & (slot >= 0) & (slot < num_slots)
     slot = tl.maximum(slot, 0)
-    row = (slot // block_size) * stride_kv_b + (slot % block_size) * stride_kv_s
+    # By a constexpr: a shift and a mask for the usual power-of-two block sizes (a multiply for
+    # others), not a 64-bit division by a runtime value; the slot stays 64-bit (caches past 2**31 elements).
+    row = (slot // BLOCK_SIZE) * stride_kv_b + (slot % BLOCK_SIZE) * stride_kv_s
     k1 = _round_for_store(k1, scale, inv_scale, cache_ptr, CACHE_STORE)
     k2 = _round_for_store(k2, scale, inv_scale, cache_ptr, CACHE_STORE)
     _store_rotated(cache_ptr, row + L * stride_kv_d, k1, k2, write, IS_NEOX, R, BLOCK_R2, stride_kv_d, BLOCK_T)
@@ -428,18 +484,24 @@ def _query_program(pid, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_s
                    stride_n_t, stride_n_h, stride_n_d, stride_o_t, stride_o_h, stride_o_d,
                    H: tl.constexpr, R: tl.constexpr, NOPE: tl.constexpr, IS_NEOX: tl.constexpr,
                    OP: tl.constexpr, NOPE_FIRST: tl.constexpr, OUT_STORE: tl.constexpr,
-                   BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R2: tl.constexpr):  # fmt: skip
+                   BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R2: tl.constexpr, USE_PDL: tl.constexpr,
+                   EARLY_INDEX_LOADS: tl.constexpr):  # fmt: skip
     """BLOCK_ROWS (token, head) rows of q_pe, rotated: in place (ops 1 and 3) or into q_out (op 2);
     ops 2 and 3 also copy the row's nope input into the output row: op 2
     q_out = [ql_nope | rope(q_pe)], op 3 the k_nope part of k_out (whose rope part the
     cache programs write), for tokens from key_start on (always 0 for op 2).
 
-    As in _cache_program, the position-independent loads (the nope input) go out first."""
+    As in _cache_program, the position-independent loads (the nope input, q_pe) go out before
+    the rope table's; with ``EARLY_INDEX_LOADS``, the positions and the table rows before the
+    grid-dependency wait."""
     rows = pid.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     t = rows // H
     h = rows % H
     r_mask = t < num_tokens
     pos = tl.load(pos_ptr + t, mask=r_mask, other=0).to(tl.int64)
+    if EARLY_INDEX_LOADS:
+        cos, sin = _load_cos_sin(cos_sin_ptr, pos, max_pos, r_mask, R, BLOCK_R2, stride_cs_p, stride_cs_r)
+        _wait_for_inputs(USE_PDL)
     if OP != OP_ROPE_CACHE:
         o_mask = r_mask & (t >= key_start)  # rows with an output row (op 2: every row)
         n_off = (t - key_start) * stride_n_t + h * stride_n_h
@@ -448,11 +510,11 @@ def _query_program(pid, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_s
         nope = tl.load(nope_ptr + n_off[:, None] + col[None, :] * stride_n_d, mask=n_mask, other=0.0)
         scale, inv_scale = _load_scale(out_scale_ptr, OUT_STORE)
         out = (t - key_start) * stride_o_t + h * stride_o_h
-    pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)
     q_off = t * stride_q_t + h * stride_q_h
-    sin_ptr = cos_sin_ptr + (R // 2) * stride_cs_r
-    q1, q2 = _rotate(q_pe_ptr, q_off, cos_sin_ptr, sin_ptr, pos * stride_cs_p, r_mask, IS_NEOX, R, BLOCK_R2,
-                     stride_q_r, stride_cs_r, BLOCK_ROWS)  # fmt: skip
+    q1, q2 = _load_halves(q_pe_ptr, q_off, r_mask, IS_NEOX, R, BLOCK_R2, stride_q_r, BLOCK_ROWS)
+    if not EARLY_INDEX_LOADS:
+        cos, sin = _load_cos_sin(cos_sin_ptr, pos, max_pos, r_mask, R, BLOCK_R2, stride_cs_p, stride_cs_r)
+    q1, q2 = _rotate(q1, q2, cos, sin)
     if OP != OP_DECODE:
         _store_rotated(q_pe_ptr, q_off, q1.to(q_pe_ptr.dtype.element_ty), q2.to(q_pe_ptr.dtype.element_ty),
                        r_mask, IS_NEOX, R, BLOCK_R2, stride_q_r, BLOCK_ROWS)  # fmt: skip
@@ -684,7 +746,8 @@ class BoundLaunch:
     MAX_PLANS = 1 << 16  # distinct token counts kept (vLLM's steps have at most max_num_batched_tokens)
 
     def __init__(self, p: Problem, op: int, is_neox: bool, is_nope_first: bool, positions, q_pe, k_pe, kv_c,
-                 cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale, nope, out, out_scale) -> None:  # fmt: skip
+                 cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale, nope, out, out_scale,
+                 early_index_loads: bool = False) -> None:  # fmt: skip
         device = q_pe.device
         self.p, self.op, self.device = p, op, device
         self.out_dtype = out.dtype if out is not None else None
@@ -694,7 +757,7 @@ class BoundLaunch:
         self.base_constexprs = dict(
             H=p.num_heads, L=p.kv_lora_rank, R=p.rope_dim, NOPE=nope.shape[-1] if out is not None else 1,
             IS_NEOX=is_neox, OP=op, NOPE_FIRST=is_nope_first, CACHE_STORE=cache_store, OUT_STORE=out_store,
-            BLOCK_R2=_pow2(p.rope_dim // 2),
+            BLOCK_R2=_pow2(p.rope_dim // 2), BLOCK_SIZE=kv_cache.shape[1],
         )  # fmt: skip
         k_pe2, kv_c2 = _rows_2d(k_pe), _rows_2d(kv_c)
         n_strides = nope.stride() if out is not None else (0, 0, 0)
@@ -706,6 +769,11 @@ class BoundLaunch:
         # The kernel reads the index tensors at unit stride (vLLM's are contiguous); another
         # stride costs a copy of the T entries used, never a wrong read.
         self.copy_index = positions.stride(0) != 1 or slot_mapping.stride(0) != 1
+        # Positions, slots and cos/sin read before the grid-dependency wait (with PDL, plan()):
+        # only where the caller has declared that no kernel still running when ours starts writes
+        # them (binding.BoundOp's early_index_loads: the vLLM plugin's layers), and never after
+        # the copy above, which the kernel launched just before ours would be.
+        self.early_index_loads = early_index_loads and not self.copy_index
         self.sms, self.pdl = _num_sms(device), _pdl_ok(device)
         # Compiled kernels are launched directly on NVIDIA GPUs. Not under Triton's interpreter
         # (CPU tensors), which has none, nor on ROCm: Triton's AMD backend also specializes a
@@ -728,7 +796,8 @@ class BoundLaunch:
         cfg = _launch_config(dataclasses.replace(self.p, num_tokens=T), self.op, self.device)
         constexprs = dict(self.base_constexprs, BLOCK_T=cfg["BLOCK_T"], BLOCK_ROWS=cfg["BLOCK_ROWS"],
                           BLOCK_L=cfg["BLOCK_L"], BLOCK_N=cfg["BLOCK_N"], BLOCK_H=cfg["BLOCK_H"],
-                          USE_PDL=cfg["USE_PDL"])  # fmt: skip
+                          USE_PDL=cfg["USE_PDL"],
+                          EARLY_INDEX_LOADS=self.early_index_loads and cfg["USE_PDL"])  # fmt: skip
         values = tuple(constexprs[name] for name in _CONSTEXPR_NAMES)
         n_cache = _cdiv(T, cfg["BLOCK_T"])
         plan = _Plan(n_cache + _cdiv(T * self.p.num_heads, cfg["BLOCK_ROWS"]), n_cache, cfg["num_warps"],
@@ -835,7 +904,10 @@ def _rows_2d(t: torch.Tensor) -> torch.Tensor:
 
 
 def bind(p: Problem, op: int, is_neox: bool, is_nope_first: bool, positions, q_pe, k_pe, kv_c, cos_sin_cache,
-         slot_mapping, kv_cache, kv_cache_scale, nope, out, out_scale) -> BoundLaunch:  # fmt: skip
-    """The backend's binding for one validated layout (binding.py)."""
+         slot_mapping, kv_cache, kv_cache_scale, nope, out, out_scale,
+         early_index_loads: bool = False) -> BoundLaunch:  # fmt: skip
+    """The backend's binding for one validated layout (binding.py); ``early_index_loads``: the
+    caller's declaration that no kernel still running when ours starts writes the positions,
+    slots or cos/sin (BoundLaunch)."""
     return BoundLaunch(p, op, is_neox, is_nope_first, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping,
-                       kv_cache, kv_cache_scale, nope, out, out_scale)  # fmt: skip
+                       kv_cache, kv_cache_scale, nope, out, out_scale, early_index_loads)  # fmt: skip

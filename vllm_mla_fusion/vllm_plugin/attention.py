@@ -61,7 +61,7 @@ from ..binding import BoundOps
 from ..opcodes import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE
 from . import eligibility, prewarm
 from .settings import ENV_PREWARM, env_enabled
-from .custom_ops import write_target
+from .custom_ops import EARLY_INDEX_LOADS, write_target
 
 logger = init_logger("vllm.vllm_mla_fusion.attention")
 
@@ -200,7 +200,8 @@ class FusedMLAAttention(MLAAttention):
         attn._prewarm_block_size = block_size if backend != "torch" and env_enabled(ENV_PREWARM) else None
         attn._decode_assembles_query = assemble_reason is None
         attn._graph_rope = graph_rope
-        attn._bound_ops = BoundOps(backend, validation.debug_enabled())
+        # Index tensors and rope table read before the grid-dependency wait: custom_ops.EARLY_INDEX_LOADS says why
+        attn._bound_ops = BoundOps(backend, validation.debug_enabled(), early_index_loads=EARLY_INDEX_LOADS)
         if fp8_query:
             attn._decode_concat_quant_fp8_op = _DeferredDecodeQuery()
         if assemble_reason is None:

@@ -43,6 +43,22 @@ ATTENTION_OP = f"{NAMESPACE}::mla_attention_with_output"
 # The op's lifetime is the library object's: keep it for the process.
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 
+# The promise a fused layer's ops make when they are bound (binding.py, ``early_index_loads``): no
+# kernel that can still be running when one of our launches starts writes its positions, slot
+# mapping, rope table or fp8 scales, so that the Triton kernel may read them before its
+# grid-dependency wait (sm_90, PDL). The scales (the layer's _k_scale and _q_scale) are set when
+# the weights load, or computed once by torch kernels launched without PDL, which end before ours
+# starts. In vLLM 0.33 the positions and the slot mapping are written by the step's input
+# preparation (host-to-device copies, the block table's slot-mapping kernel), before the model's
+# first layer: between them and our launch run at least the embedding (a torch kernel, launched
+# without PDL: it starts only once everything before it has finished), the norms and the q/kv
+# projections; the rope table is written once, when the model is built. The one exception is
+# this plugin's own scratch slots (write_target), filled just before a profile-run launch: the
+# only cache a stale read of them could address is the one-row scratch cache, which nothing
+# reads. A plugin change that writes any of these tensors just before a launch of ours must
+# bind that launch without the promise.
+EARLY_INDEX_LOADS = True
+
 
 def write_target(
     kv_cache: torch.Tensor,
@@ -60,6 +76,8 @@ def write_target(
     """
     if slot_mapping is not None and kv_cache.numel() > 0:
         return kv_cache, slot_mapping, kv_cache_dtype
+    # The slots are filled here, possibly by the kernel launched just before ours, which may read
+    # them early (EARLY_INDEX_LOADS): any value read addresses the one-row scratch or nothing.
     scratch = torch.empty((1, 1, row_width), dtype=like.dtype, device=like.device)
     slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=like.device)
     return scratch, slots, "auto"
@@ -68,8 +86,9 @@ def write_target(
 def bind_rope_cache_ops(attn: torch.nn.Module, backend: str) -> None:
     """Give a rope_cache-mode layer (vLLM's own MLAAttention) its ops, where a decode-mode layer
     keeps them (``_bound_ops``, which ``rope_kv_cache_update`` uses for either): backend and
-    debug mode fixed when the layer is built, layouts validated once."""
-    attn._bound_ops = BoundOps(backend, validation.debug_enabled())
+    debug mode fixed when the layer is built, layouts validated once; early index loads as
+    EARLY_INDEX_LOADS says."""
+    attn._bound_ops = BoundOps(backend, validation.debug_enabled(), early_index_loads=EARLY_INDEX_LOADS)
 
 
 def rope_kv_cache_update(

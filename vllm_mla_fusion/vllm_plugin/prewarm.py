@@ -13,7 +13,10 @@ compiled here are specialized exactly as the real calls will be (strides,
 alignment, dtypes). Each variant is compiled by a one-token call with its
 launch configuration forced, on scratch outputs and all-padding slots: no
 cache row is written, no input is modified, and the extra memory is a few
-rows (the profile run measures peak memory).
+rows (the profile run measures peak memory). The scratch cache has the
+layer's block size (a constexpr of the kernel: one variant per block size)
+and the calls go through the layer's own bound ops (their early-index-loads
+promise, another constexpr, included).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def kernels(attn, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor
     q_pe, k_pe1, kv_c = q1[..., P:], _like(k_pe), _like(kv_c_normed)
     pos = positions[:1]
     slots = torch.full((1,), -1, dtype=torch.int64, device=device)  # padding: nothing is written
-    cache = torch.zeros((1, block_size, L + R), dtype=storage, device=device)
+    cache = torch.zeros((1, block_size, L + R), dtype=storage, device=device)  # the kernel's BLOCK_SIZE
     k_scale = attn._k_scale
     q_scale = attn._q_scale if attn._decode_query_dtype is not None else None
     ql_nope = torch.zeros((1, H, L), dtype=act, device=device)  # forward_impl's token-major bmm output
