@@ -147,7 +147,9 @@ def _host_lines(load: dict, sides: list[str]) -> list[str]:
         return []
 
     def engine_cores(cores: dict) -> float:
-        return sum(c for role, c in cores.items() if role.startswith("EngineCore"))
+        # Every process of the server but the API server: the engine core and, at TP > 1, its workers
+        # (named by their vLLM process titles where setproctitle is installed, else "python3").
+        return sum(c for role, c in cores.items() if role not in ("api_server", "client"))
 
     def fmt(x, digits: int = 1) -> str:
         return "-" if x is None else f"{x:.{digits}f}"
@@ -155,7 +157,7 @@ def _host_lines(load: dict, sides: list[str]) -> list[str]:
     lines = ["", "Host and server-side latencies per server (cores: CPU time over the load's wall time; "
              "server: vLLM's /metrics means, queue + prefill being the engine's share of TTFT; client: "
              "`vllm bench serve`'s means; tokens per message: client ITL / TPOT):", "",
-             "| server | side | API server cores | engine cores | client cores | TTFT server / client ms | "
+             "| server | side | API server cores | engine and workers cores | client cores | TTFT server / client ms | "
              "queue + prefill ms | ITL server / client ms | tokens per message |", "|" + "---|" * 9]  # fmt: skip
     for side, v in rows:
         h = v["host"]

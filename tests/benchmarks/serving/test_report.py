@@ -182,17 +182,17 @@ def test_each_servers_host_and_its_own_latencies_are_tabled_beside_the_clients(w
     results = report.read_results(write_results([vllm_result(0, "on", "rate4", tpot_ms=16.0, itl_ms=40.0),
                                                  vllm_result(1, "off", "rate4")]))  # fmt: skip
     entry = {"wall_s": 20.0, "client_cpu_s": 5.0, "server_cpu_s": {"api_server": 19.0, "EngineCore_DP0": 18.0,
-                                                                       "EngineCore_DP1": 2.0, "python3": 0.5},
+                                                                       "EngineCore_DP1": 2.0, "python3": 1.0},
              "server_latency_ms": {"ttft": 90.0, "itl": 9.0, "queue": 30.0, "prefill": 45.0}}  # fmt: skip
     loads = report.summarize(results, ["on", "off"], layers=61, hosts={(0, "rate4"): entry})
     servers = {s["server"]: s for side in loads["rate4"]["sides"].values() for s in side["servers"]}
     host = servers[0]["host"]
     assert host["cores"] == {"EngineCore_DP0": 0.9, "EngineCore_DP1": 0.1, "api_server": 0.95, "client": 0.25,
-                             "python3": 0.025}  # fmt: skip
+                             "python3": 0.05}  # fmt: skip
     assert host["client_ms"] == pytest.approx({"ttft": 110.0, "itl": 40.0, "tpot": 16.0})
     assert host["tokens_per_message"] == 2.5
     assert host["server_ms"] == entry["server_latency_ms"]
     assert "host" not in servers[1]
     md = report.markdown(_report(loads))
-    assert "| 0 | on | 0.95 | 1.00 | 0.25 | 90.0 / 110.0 | 75.0 | 9.0 / 40.0 | 2.50 |" in md
+    assert "| 0 | on | 0.95 | 1.05 | 0.25 | 90.0 / 110.0 | 75.0 | 9.0 / 40.0 | 2.50 |" in md
     assert "| 1 | off |" not in md

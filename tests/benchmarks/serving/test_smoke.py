@@ -48,7 +48,7 @@ def test_both_sides_ran_and_were_what_they_say(smoke):
         # Issue 40's host figures: every process of the server by role, the server's own latencies
         for ld in server["loads"]:
             assert ld["server_cpu_s"]["api_server"] > 0 and ld["client_cpu_s"] > 0, ld
-            assert any(role.startswith("EngineCore") and cpu > 0 for role, cpu in ld["server_cpu_s"].items()), ld
+            assert sum(cpu for role, cpu in ld["server_cpu_s"].items() if role != "api_server") > 0, ld  # the engine
             assert {"ttft", "itl", "queue", "prefill"} <= ld["server_latency_ms"].keys(), ld
             assert all(v >= 0 for v in ld["server_latency_ms"].values()), ld
 
