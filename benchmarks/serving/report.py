@@ -132,6 +132,8 @@ def host_figures(entry: dict, result: dict) -> dict | None:
             out["cores"]["client"] = entry["client_cpu_s"] / wall
     if entry.get("server_latency_ms"):
         out["server_ms"] = entry["server_latency_ms"]
+    if entry.get("engine_steps"):
+        out["engine_steps"] = entry["engine_steps"]
     client = {k: result.get(f"mean_{k}_ms") for k in ("ttft", "itl", "tpot")}
     if all(isinstance(v, (int, float)) for v in client.values()):
         out["client_ms"] = client
@@ -169,6 +171,17 @@ def _host_lines(load: dict, sides: list[str]) -> list[str]:
                      f"{fmt(cores.get('client'), 2)} | {fmt(srv.get('ttft'))} / {fmt(cli.get('ttft'))} | {fmt(qp)} | "
                      f"{fmt(srv.get('itl'))} / {fmt(cli.get('itl'))} | "
                      f"{per_message} |")  # fmt: skip
+    steps = [(s, v) for s, v in rows if v["host"].get("engine_steps")]
+    if steps:
+        lines += ["", "Engine steps per server (vLLM's iteration log, `--enable-logging-iteration-details`; time: "
+                  "how long the engine waited for each step's output, ms):", "",
+                  "| server | side | kind | steps | prompt / decode tokens p50 | time p50 / p90 | time in all |",
+                  "|" + "---|" * 7]  # fmt: skip
+        for side, v in steps:
+            for kind, k in sorted(v["host"]["engine_steps"].items()):
+                lines.append(f"| {v['server']} | {side} | {kind} | {k['steps']} | {k['prompt_tokens_p50']:.0f} / "
+                             f"{k['decode_tokens_p50']:.0f} | {k['ms_p50']:.1f} / {k['ms_p90']:.1f} | "
+                             f"{k['ms_sum']:.0f} |")  # fmt: skip
     return lines
 
 

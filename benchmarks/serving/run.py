@@ -32,7 +32,8 @@ from .. import provenance
 from . import configs, models, probe, report, step_profile
 from .loads import parse_loads, scaled_prompts
 from .plan import MIN_SCALE, PROBE_S, SPEEDS, TEARDOWN_S, Estimator, Measured, plan
-from .server import PortTaken, Server, ServerFailed, ServerSpec, confirm_side, kernel_compiles, notable_lines
+from .server import (PortTaken, Server, ServerFailed, ServerSpec, confirm_side, engine_steps, kernel_compiles,
+                     notable_lines)
 from .sides import Side, parse_sides, server_order
 
 REPO = Path(__file__).resolve().parents[2]
@@ -372,7 +373,7 @@ class Benchmark:
                 record["late"] = "the client ran past the deadline and was stopped"
             record["client_exit"] = client.poll()
             record["loads"] = self.read_progress(index, side)
-            attribute_kernel_compiles(record["loads"], server.log_path)
+            attribute_server_log(record["loads"], server.log_path)
             self.read_profiles(index, side, record["loads"])
             for entry in record["loads"]:
                 if "error" in entry:
@@ -621,9 +622,11 @@ class Benchmark:
         return out
 
 
-def attribute_kernel_compiles(loads: list[dict], server_log: Path) -> None:
-    """Each load's ``kernel_compiles``: the compiles the server logged between the client's two readings
-    of the log's size (``server_log_bytes``); loads without both readings get none (not an empty list)."""
+def attribute_server_log(loads: list[dict], server_log: Path) -> None:
+    """What the server logged during each load, between the client's two readings of the log's size
+    (``server_log_bytes``): ``kernel_compiles`` and, where vLLM logged its iterations
+    (``--enable-logging-iteration-details``), ``engine_steps``. Loads without both readings get
+    neither (not an empty list)."""
     try:
         text = server_log.read_bytes()
     except OSError:
@@ -631,7 +634,10 @@ def attribute_kernel_compiles(loads: list[dict], server_log: Path) -> None:
     for entry in loads:
         span = entry.get("server_log_bytes")
         if span:
-            entry["kernel_compiles"] = kernel_compiles(text[span[0] : span[1]].decode(errors="replace"))
+            stretch = text[span[0] : span[1]].decode(errors="replace")
+            entry["kernel_compiles"] = kernel_compiles(stretch)
+            if steps := engine_steps(stretch):
+                entry["engine_steps"] = steps
 
 
 def server_profiler_config(directory: Path) -> dict:

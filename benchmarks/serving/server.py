@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import time
 import urllib.request
@@ -130,6 +131,39 @@ def kernel_compiles(log: str) -> list[str]:
     for the compile's length, so the requests in flight then carry it in their TTFT and ITL."""
     return [f"Triton autotuning {m['tuned']}" if m["autotune"] else f"{m['backend']} {m['kernel']}"
             for m in KERNEL_COMPILE_LINE.finditer(log)]
+
+
+# vLLM's line for each engine step under --enable-logging-iteration-details (vllm/v1/metrics/loggers.py,
+# 0.33): the step's prefill ("context") and decode ("generation") requests and tokens, and the time the
+# engine loop waited for the step's output (vllm/v1/engine/core.py: from the step's launch, or from
+# the previous output under async scheduling, to its sampled tokens; the GPU's share of the step).
+ITERATION_LINE = re.compile(
+    r"Iteration\((?P<index>\d+)\): (?P<ctx_reqs>\d+) context requests, (?P<ctx_tokens>\d+) context tokens, "
+    r"(?P<gen_reqs>\d+) generation requests, (?P<gen_tokens>\d+) generation tokens, "
+    r"iteration elapsed time: (?P<ms>[0-9.]+) ms(?P<dummy> \(dummy\))?"
+)
+
+
+def engine_steps(log: str) -> dict[str, dict]:
+    """The engine's steps in ``log`` (a stretch of a server log) by kind, from vLLM's iteration lines:
+    ``decode`` (no prompt tokens), ``mixed`` (prompt and decode tokens), ``prefill`` (prompt tokens
+    only); per kind the step count, the medians of prompt and decode tokens, and the median, p90 and
+    sum of the elapsed time (ms). Empty when the server did not log them (the option is off)."""
+    kinds: dict[str, list[tuple[int, int, float]]] = {}
+    for m in ITERATION_LINE.finditer(log):
+        if m["dummy"]:
+            continue
+        ctx, gen = int(m["ctx_tokens"]), int(m["gen_tokens"])
+        kind = "decode" if not ctx else ("mixed" if gen else "prefill")
+        kinds.setdefault(kind, []).append((ctx, gen, float(m["ms"])))
+    out = {}
+    for kind, steps in kinds.items():
+        ms = sorted(s[2] for s in steps)
+        out[kind] = {"steps": len(steps), "prompt_tokens_p50": statistics.median(s[0] for s in steps),
+                     "decode_tokens_p50": statistics.median(s[1] for s in steps),
+                     "ms_p50": statistics.median(ms), "ms_p90": ms[min(len(ms) - 1, int(0.9 * len(ms)))],
+                     "ms_sum": sum(ms)}  # fmt: skip
+    return out
 
 
 def metrics_text(port: int, timeout_s: float = 5.0) -> str | None:

@@ -183,7 +183,9 @@ def test_each_servers_host_and_its_own_latencies_are_tabled_beside_the_clients(w
                                                  vllm_result(1, "off", "rate4")]))  # fmt: skip
     entry = {"wall_s": 20.0, "client_cpu_s": 5.0, "server_cpu_s": {"api_server": 19.0, "EngineCore_DP0": 18.0,
                                                                        "EngineCore_DP1": 2.0, "python3": 1.0},
-             "server_latency_ms": {"ttft": 90.0, "itl": 9.0, "queue": 30.0, "prefill": 45.0}}  # fmt: skip
+             "server_latency_ms": {"ttft": 90.0, "itl": 9.0, "queue": 30.0, "prefill": 45.0},
+             "engine_steps": {"mixed": {"steps": 12, "prompt_tokens_p50": 2048, "decode_tokens_p50": 40,
+                                        "ms_p50": 61.25, "ms_p90": 80.0, "ms_sum": 760.0}}}  # fmt: skip
     loads = report.summarize(results, ["on", "off"], layers=61, hosts={(0, "rate4"): entry})
     servers = {s["server"]: s for side in loads["rate4"]["sides"].values() for s in side["servers"]}
     host = servers[0]["host"]
@@ -196,3 +198,4 @@ def test_each_servers_host_and_its_own_latencies_are_tabled_beside_the_clients(w
     md = report.markdown(_report(loads))
     assert "| 0 | on | 0.95 | 1.05 | 0.25 | 90.0 / 110.0 | 75.0 | 9.0 / 40.0 | 2.50 |" in md
     assert "| 1 | off |" not in md
+    assert "| 0 | on | mixed | 12 | 2048 / 40 | 61.2 / 80.0 | 760 |" in md

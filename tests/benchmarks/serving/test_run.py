@@ -266,21 +266,26 @@ def test_the_fp8_models_start_without_deepgemm_on_every_side_and_wait_longer(tmp
     assert given.start_timeout_s() == 99.0
 
 
-def test_each_load_gets_the_kernels_its_server_compiled_during_it(tmp_path):
+def test_each_load_gets_the_kernels_its_server_compiled_and_the_steps_it_ran_during_it(tmp_path):
     """The client's two readings of the server log's size bound a load's stretch of the log: a compile
     logged there is that load's, one before or after is not; a load without both readings gets none."""
     head = "INFO start-up\n(EngineCore pid=1) WARNING [jit_monitor.py:140] Triton kernel JIT compilation during inference: early. This causes a latency spike\n"
     first = "noise\n(EngineCore pid=1) WARNING [jit_monitor.py:140] Triton kernel JIT compilation during inference: fused_moe_kernel (constexprs={BLOCK_SIZE_M=64}). This causes a latency spike\n"
+    first += ("INFO [loggers.py:199] Engine 000: Iteration(3): 1 context requests, 1024 context tokens, 4 generation "
+              "requests, 4 generation tokens, iteration elapsed time: 31.50 ms, GPU KV cache usage: 1.0%\n")
     second = "noise only\n"
     log = tmp_path / "server.log"
     log.write_text(head + first + second + "Triton autotuning for function late,\n")
     a, b, c = len(head.encode()), len((head + first).encode()), len((head + first + second).encode())
     loads = [{"load": "warmup", "server_log_bytes": [a, b]}, {"load": "rate4", "server_log_bytes": [b, c]},
              {"load": "rate16"}]  # fmt: skip
-    run.attribute_kernel_compiles(loads, log)
+    run.attribute_server_log(loads, log)
     assert loads[0]["kernel_compiles"] == ["Triton fused_moe_kernel"]
     assert loads[1]["kernel_compiles"] == []
     assert "kernel_compiles" not in loads[2]
+    # and the engine's steps where vLLM logged them (--enable-logging-iteration-details): the first load's only
+    assert loads[0]["engine_steps"]["mixed"]["steps"] == 1 and loads[0]["engine_steps"]["mixed"]["ms_p50"] == 31.5
+    assert "engine_steps" not in loads[1] and "engine_steps" not in loads[2]
     assert "--jit-monitor-verbose" in run.GPU_SERVER_ARGS  # else vLLM logs each kernel's first compile only
 
 

@@ -18,6 +18,7 @@ from benchmarks.serving.server import (
     ServerFailed,
     ServerSpec,
     confirm_side,
+    engine_steps,
     kernel_compiles,
     latency_means_ms,
     notable_lines,
@@ -103,6 +104,32 @@ def test_prefix_cache_counters_are_summed_over_engines():
         "vllm:prefix_cache_hits_created 1.7e9",
     ])  # fmt: skip
     assert parse_prefix_cache_counters(text) == {"queries": 3072.0, "hits": 512.0}
+
+
+def _iteration(index: int, ctx_reqs: int, ctx: int, gen: int, ms: float, dummy: bool = False) -> str:
+    # vLLM 0.33's LoggingStatLogger line under --enable-logging-iteration-details
+    return (f"(APIServer pid=7) INFO 12-05 16:29:41 [loggers.py:199] Engine 000: Iteration({index}): {ctx_reqs} "
+            f"context requests, {ctx} context tokens, {gen} generation requests, {gen} generation tokens, "
+            f"iteration elapsed time: {ms:.2f} ms{' (dummy)' if dummy else ''}, GPU KV cache usage: 3.6%")  # fmt: skip
+
+
+def test_the_engine_steps_are_read_from_vllms_iteration_lines_by_kind():
+    """Decode-only, mixed and prefill-only steps apart; medians, p90 and sums of each kind; dummy
+    iterations (data-parallel padding) and other lines are not steps; no lines, no kinds."""
+    log = "\n".join([
+        "INFO 12-05 16:29:40 [loggers.py:335] Engine 000: Avg prompt throughput: 11019.3 tokens/s",
+        *(_iteration(i, 0, 0, 40, 8.0 + i) for i in range(10)),  # decode: 8.0 .. 17.0 ms
+        _iteration(10, 2, 2048, 40, 60.0), _iteration(11, 3, 3072, 38, 90.0), _iteration(12, 1, 1024, 41, 30.0),
+        _iteration(13, 1, 1024, 0, 20.0), _iteration(14, 0, 0, 0, 0.0, dummy=True),
+    ])  # fmt: skip
+    steps = engine_steps(log)
+    assert set(steps) == {"decode", "mixed", "prefill"}
+    assert steps["decode"] == {"steps": 10, "prompt_tokens_p50": 0, "decode_tokens_p50": 40, "ms_p50": 12.5,
+                               "ms_p90": 17.0, "ms_sum": pytest.approx(125.0)}  # fmt: skip
+    assert steps["mixed"] == {"steps": 3, "prompt_tokens_p50": 2048, "decode_tokens_p50": 40, "ms_p50": 60.0,
+                              "ms_p90": 90.0, "ms_sum": 180.0}  # fmt: skip
+    assert steps["prefill"]["steps"] == 1 and steps["prefill"]["ms_p50"] == 20.0
+    assert engine_steps("INFO nothing here\n") == {}
 
 
 def _histogram(name: str, engine: int, total: float, count: int) -> list[str]:

@@ -25,7 +25,7 @@ LOADS = ["name=warm,in=16,out=2,rate=inf,prompts=2,warmup=1", "name=burst,in=64,
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("serving_smoke")
     status = run.main(["--out", str(out), "--cpu", "--model", "tiny", "--servers-per-side", "1", "--budget-s", "560",
-                       "--probe", "--loads", *LOADS])  # fmt: skip
+                       "--probe", "--server-arg=--enable-logging-iteration-details", "--loads", *LOADS])  # fmt: skip
     return status, out, json.loads((out / "serving_tiny.json").read_text())
 
 
@@ -51,6 +51,8 @@ def test_both_sides_ran_and_were_what_they_say(smoke):
             assert sum(cpu for role, cpu in ld["server_cpu_s"].items() if role != "api_server") > 0, ld  # the engine
             assert {"ttft", "itl", "queue", "prefill"} <= ld["server_latency_ms"].keys(), ld
             assert all(v >= 0 for v in ld["server_latency_ms"].values()), ld
+            # vLLM's iteration log, read per load: every load ran prompt-carrying steps
+            assert sum(k["steps"] for kind, k in ld["engine_steps"].items() if kind != "decode") > 0, ld
 
 
 def test_the_report_holds_vllms_figures_per_side(smoke):
