@@ -38,12 +38,45 @@ def _size(path: str | None) -> int | None:
         return None
 
 
+def _readings(spec: dict) -> dict:
+    """What the server and this process have counted so far: /metrics, the CPU time of the
+    server's processes (server.process_cpu_s) and of this one, the size of the server's log."""
+    from .server import metrics_text, process_cpu_s
+
+    pid = spec.get("server_pid")
+    return {"metrics": metrics_text(spec["port"]), "cpu": process_cpu_s(pid) if pid else None,
+            "client_cpu": time.process_time(), "log_bytes": _size(spec.get("server_log"))}  # fmt: skip
+
+
+def _compare_readings(entry: dict, before: dict, after: dict) -> None:
+    """The load's share of each reading, into its progress entry: the server log's stretch, the
+    prefix-cache counters, the server's own latencies (server.LATENCY_HISTOGRAMS), and where the
+    host's time went (CPU seconds per process role and of this client; the load's ``wall_s``
+    divides them into cores kept busy). These are diagnostics: one that fails is recorded as
+    such and never costs the load its figures or the next load its run."""
+    from .server import cpu_by_role, latency_means_ms, parse_latency_sums, parse_prefix_cache_counters
+
+    if before["log_bytes"] is not None and after["log_bytes"] is not None:
+        entry["server_log_bytes"] = [before["log_bytes"], after["log_bytes"]]
+    try:
+        entry["client_cpu_s"] = after["client_cpu"] - before["client_cpu"]
+        if before["cpu"] is not None and after["cpu"] is not None:
+            entry["server_cpu_s"] = cpu_by_role(before["cpu"], after["cpu"])
+        if before["metrics"] is not None and after["metrics"] is not None:
+            hits_before = parse_prefix_cache_counters(before["metrics"])
+            hits_after = parse_prefix_cache_counters(after["metrics"])
+            entry["prefix_cache"] = {k: hits_after[k] - hits_before[k] for k in hits_after}
+            entry["server_latency_ms"] = latency_means_ms(parse_latency_sums(before["metrics"]),
+                                                          parse_latency_sums(after["metrics"]))  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - a diagnostic, recorded
+        entry["diagnostics_error"] = f"{type(e).__name__}: {e}"
+
+
 def run(spec: dict) -> int:
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from . import step_profile
-    from .server import latency_means_ms, metrics_text, parse_latency_sums, parse_prefix_cache_counters, process_tree_cpu_s
 
     progress = Path(spec["progress"])
     go, stop = Path(spec["go_file"]), Path(spec["stop_file"])
@@ -63,11 +96,7 @@ def run(spec: dict) -> int:
         parser = FlexibleArgumentParser(prog="vllm bench serve")
         add_cli_args(parser)
         args = parser.parse_args(load["args"])
-        before = metrics_text(spec["port"])
-        log_before = _size(spec.get("server_log"))
-        server_pid = spec.get("server_pid")
-        cpu_before = process_tree_cpu_s(server_pid) if server_pid else None
-        client_cpu_before = time.process_time()
+        before = _readings(spec)
         t = time.monotonic()
         session = load.get("profile")
         try:
@@ -85,21 +114,7 @@ def run(spec: dict) -> int:
             entry["traceback"] = traceback.format_exc()[-3000:]
             failures += 1
         entry["wall_s"] = time.monotonic() - t
-        # Where the host's time went during the load (each process's CPU seconds; the load's wall
-        # time divides them into cores kept busy) and the server's own latencies, to tell the engine's
-        # time from the API server's and the client's (server.LATENCY_HISTOGRAMS).
-        entry["client_cpu_s"] = time.process_time() - client_cpu_before
-        cpu_after = process_tree_cpu_s(server_pid) if server_pid else None
-        if cpu_before is not None and cpu_after is not None:
-            entry["server_cpu_s"] = {k: v - cpu_before.get(k, 0.0) for k, v in cpu_after.items()}
-        log_after = _size(spec.get("server_log"))
-        if log_before is not None and log_after is not None:
-            entry["server_log_bytes"] = [log_before, log_after]
-        after = metrics_text(spec["port"])
-        if before is not None and after is not None:
-            counts = parse_prefix_cache_counters(before), parse_prefix_cache_counters(after)
-            entry["prefix_cache"] = {k: counts[1][k] - counts[0][k] for k in counts[1]}
-            entry["server_latency_ms"] = latency_means_ms(parse_latency_sums(before), parse_latency_sums(after))
+        _compare_readings(entry, before, _readings(spec))
         _record(progress, entry)
     return 1 if failures else 0
 

@@ -118,7 +118,9 @@ def host_figures(entry: dict, result: dict) -> dict | None:
     """Where one server's load spent the host's time, and the server's latencies against the client's.
 
     ``cores``: CPU seconds of each server process (by role) and of the client over the load's wall
-    time: 1.0 is one core kept busy. An API server near 1.0 cannot keep up with the engine's
+    time: 1.0 is one core kept busy. The wall time, the client's CPU and the server's histograms
+    cover all of ``vllm bench serve``'s run of the load: its dataset, its initial test prompt and
+    warm-ups with the measured requests. An API server near 1.0 cannot keep up with the engine's
     outputs; it then streams several tokens per message, which the client's ITL counts as one
     interval: ``tokens_per_message`` (the client's mean ITL over its mean TPOT) says how many.
     ``server_ms``: vLLM's own means over the load (server.LATENCY_HISTOGRAMS), beside the client's
@@ -144,7 +146,8 @@ def host_figures(entry: dict, result: dict) -> dict | None:
 
 def _host_lines(load: dict, sides: list[str]) -> list[str]:
     """The per-server table of host_figures: engine, API server and client, and what each saw."""
-    rows = [(s, v) for s in sides for v in load["sides"][s]["servers"] if "host" in v]
+    rows = [(s, v) for s in sides for v in load["sides"][s]["servers"]
+            if "cores" in v.get("host", {}) or "server_ms" in v.get("host", {})]  # fmt: skip
     if not rows:
         return []
 
@@ -159,7 +162,7 @@ def _host_lines(load: dict, sides: list[str]) -> list[str]:
     lines = ["", "Host and server-side latencies per server (cores: CPU time over the load's wall time; "
              "server: vLLM's /metrics means, queue + prefill being the engine's share of TTFT; client: "
              "`vllm bench serve`'s means; tokens per message: client ITL / TPOT):", "",
-             "| server | side | API server cores | engine and workers cores | client cores | TTFT server / client ms | "
+             "| server | side | API server cores | engine and other server processes' cores | client cores | TTFT server / client ms | "
              "queue + prefill ms | ITL server / client ms | tokens per message |", "|" + "---|" * 9]  # fmt: skip
     for side, v in rows:
         h = v["host"]

@@ -11,6 +11,8 @@ model and writes its own line: all ranks must, with one backend and mode between
 
 from __future__ import annotations
 
+import http.client
+import math
 import os
 import re
 import signal
@@ -134,9 +136,11 @@ def kernel_compiles(log: str) -> list[str]:
 
 
 # vLLM's line for each engine step under --enable-logging-iteration-details (vllm/v1/metrics/loggers.py,
-# 0.33): the step's prefill ("context") and decode ("generation") requests and tokens, and the time the
-# engine loop waited for the step's output (vllm/v1/engine/core.py: from the step's launch, or from
-# the previous output under async scheduling, to its sampled tokens; the GPU's share of the step).
+# 0.33): the step's prefill ("context") and decode ("generation") requests and tokens, and how long the
+# engine loop blocked waiting for the step's output (vllm/v1/engine/core.py, capture_iteration_details:
+# from after the step's launch, under async scheduling after the next step's too, to its sampled
+# tokens). Scheduling and launching are outside it: the part of a step the host did not overlap, near
+# zero where the host bounds the step. vLLM's API server logs each line (a little more work there).
 ITERATION_LINE = re.compile(
     r"Iteration\((?P<index>\d+)\): (?P<ctx_reqs>\d+) context requests, (?P<ctx_tokens>\d+) context tokens, "
     r"(?P<gen_reqs>\d+) generation requests, (?P<gen_tokens>\d+) generation tokens, "
@@ -161,7 +165,7 @@ def engine_steps(log: str) -> dict[str, dict]:
         ms = sorted(s[2] for s in steps)
         out[kind] = {"steps": len(steps), "prompt_tokens_p50": statistics.median(s[0] for s in steps),
                      "decode_tokens_p50": statistics.median(s[1] for s in steps),
-                     "ms_p50": statistics.median(ms), "ms_p90": ms[min(len(ms) - 1, int(0.9 * len(ms)))],
+                     "ms_p50": statistics.median(ms), "ms_p90": ms[math.ceil(0.9 * len(ms)) - 1],
                      "ms_sum": sum(ms)}  # fmt: skip
     return out
 
@@ -171,7 +175,7 @@ def metrics_text(port: int, timeout_s: float = 5.0) -> str | None:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as r:
             return r.read().decode()
-    except OSError:
+    except (OSError, http.client.HTTPException, ValueError):  # no answer, a cut answer, not text
         return None
 
 
@@ -191,12 +195,13 @@ def parse_prefix_cache_counters(metrics_text: str) -> dict[str, float]:
 
 
 # The server's own latency histograms (vLLM 0.33's /metrics, seconds). Their sums and counts over a
-# load give the engine's and the API server's view of each request, to set against the client's:
-# queue (arrival at the engine to first scheduled) and prefill (scheduled to first token) are engine
-# timestamps; ttft and itl are taken where the API server turns engine outputs into request outputs,
-# before they are streamed. A client-side TTFT or ITL well above the server's is time spent
-# between the two: an API server or client that cannot keep up (it then sends several tokens in
-# one stream message).
+# load give the server's view of each request, to set against the client's: queue (arrival at the
+# engine to first scheduled), prefill (scheduled to first token), decode and itl are the engine's
+# timestamps (itl between its outputs for a request); ttft is taken where the API server turns the
+# engine's first output into a request output, before it is streamed. A client-side TTFT or ITL well
+# above the server's is time spent between the two: an API server or client that cannot keep up (it
+# then sends several tokens in one stream message). The histograms count every request of the load,
+# the client's initial test prompt included.
 LATENCY_HISTOGRAMS = {
     "ttft": "time_to_first_token_seconds",
     "itl": "inter_token_latency_seconds",
@@ -230,27 +235,41 @@ def latency_means_ms(before: dict[str, float], after: dict[str, float]) -> dict[
     return means
 
 
-def process_tree_cpu_s(pid: int) -> dict[str, float] | None:
-    """CPU seconds (user + system) used so far by ``pid`` and its descendants, by role: ``api_server``
-    for ``pid`` itself (``vllm serve``'s main process), then each child by its process title
-    (vLLM's ``VLLM::EngineCore_DP0`` -> ``EngineCore_DP0``), or its name; None if ``pid`` is gone."""
-    import psutil  # a dependency of vLLM, which the client imports anyway
-
+def process_cpu_s(pid: int) -> dict[tuple[int, float], tuple[str, float]] | None:
+    """CPU seconds (user + system) used so far by ``pid`` and each of its descendants, keyed by
+    (pid, start time) so that two readings pair the same processes: ``(role, seconds)``. The role
+    of ``pid`` itself (``vllm serve``'s main process) is ``api_server``; a child's is its vLLM process
+    title past ``::`` (``VLLM::EngineCore_DP0`` -> ``EngineCore_DP0``), or its name. None if ``pid``
+    is gone or psutil is missing."""
+    try:
+        import psutil  # a dependency of vLLM, which the client imports anyway
+    except ImportError:
+        return None
     try:
         root = psutil.Process(pid)
         procs = [(root, "api_server"), *((c, None) for c in root.children(recursive=True))]
     except psutil.Error:
         return None
-    out: dict[str, float] = {}
+    out = {}
     for proc, role in procs:
         try:
             t = proc.cpu_times()
             if role is None:
                 title = (proc.cmdline() or [proc.name()])[0]
-                role = title.split("::", 1)[1] if title.startswith("VLLM::") else proc.name()
-            out[role] = out.get(role, 0.0) + t.user + t.system
+                role = title.split("::", 1)[1] if "::" in title else proc.name()
+            out[(proc.pid, proc.create_time())] = (role, t.user + t.system)
         except psutil.Error:  # exited meanwhile
             continue
+    return out
+
+
+def cpu_by_role(before: dict, after: dict) -> dict[str, float]:
+    """The CPU seconds each role used between two readings of ``process_cpu_s``, summed over its
+    processes: a process started in between counts from zero; one that ended in between is not in
+    the second reading, and its last seconds are lost."""
+    out: dict[str, float] = {}
+    for key, (role, cpu) in after.items():
+        out[role] = out.get(role, 0.0) + cpu - (before[key][1] if key in before else 0.0)
     return out
 
 

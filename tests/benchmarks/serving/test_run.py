@@ -330,3 +330,20 @@ def test_the_report_states_the_configuration(tmp_path):
     md = (tmp_path / "serving_dense4-seqs128.md").read_text()
     assert "**Configuration `seqs128`**" in md and "--no-enable-prefix-caching" in md
     assert "- server command: `" in md and "--max-num-seqs 128" in md
+
+
+def test_a_failing_diagnostic_never_costs_a_load_its_entry(monkeypatch):
+    """The client's readings around a load are diagnostics: one that raises is recorded in the load's
+    progress entry, which keeps the rest (the server log's stretch here)."""
+    from benchmarks.serving import client, server
+
+    def broken(before, after):
+        raise RuntimeError("psutil went away")
+
+    monkeypatch.setattr(server, "cpu_by_role", broken)
+    before = {"metrics": None, "cpu": {}, "client_cpu": 1.0, "log_bytes": 10}
+    after = {"metrics": None, "cpu": {}, "client_cpu": 2.5, "log_bytes": 20}
+    entry = {"load": "rate16"}
+    client._compare_readings(entry, before, after)
+    assert entry == {"load": "rate16", "server_log_bytes": [10, 20], "client_cpu_s": 1.5,
+                     "diagnostics_error": "RuntimeError: psutil went away"}  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -18,13 +19,14 @@ from benchmarks.serving.server import (
     ServerFailed,
     ServerSpec,
     confirm_side,
+    cpu_by_role,
     engine_steps,
     kernel_compiles,
     latency_means_ms,
     notable_lines,
     parse_latency_sums,
     parse_prefix_cache_counters,
-    process_tree_cpu_s,
+    process_cpu_s,
 )
 from benchmarks.serving.sides import parse_side
 
@@ -125,7 +127,7 @@ def test_the_engine_steps_are_read_from_vllms_iteration_lines_by_kind():
     steps = engine_steps(log)
     assert set(steps) == {"decode", "mixed", "prefill"}
     assert steps["decode"] == {"steps": 10, "prompt_tokens_p50": 0, "decode_tokens_p50": 40, "ms_p50": 12.5,
-                               "ms_p90": 17.0, "ms_sum": pytest.approx(125.0)}  # fmt: skip
+                               "ms_p90": 16.0, "ms_sum": pytest.approx(125.0)}  # fmt: skip
     assert steps["mixed"] == {"steps": 3, "prompt_tokens_p50": 2048, "decode_tokens_p50": 40, "ms_p50": 60.0,
                               "ms_p90": 90.0, "ms_sum": 180.0}  # fmt: skip
     assert steps["prefill"]["steps"] == 1 and steps["prefill"]["ms_p50"] == 20.0
@@ -162,7 +164,8 @@ def test_the_servers_own_latencies_are_means_over_the_load_summed_over_engines()
 
 def test_the_cpu_time_of_a_server_and_its_children_is_read_by_role(tmp_path):
     """The root process is the API server; a child is named by its vLLM process title (``VLLM::NAME``)
-    or its name; each one's CPU seconds are its own; a process that is gone reads None."""
+    or its name; each process's CPU seconds are its own, keyed by pid and start time; a process that is
+    gone reads None."""
     busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < {}: pass\n"
     child = f"import setproctitle\nsetproctitle.setproctitle('VLLM::EngineCore_DP0')\n{busy.format(0.6)}import time; time.sleep(30)"
     parent = (f"import subprocess, sys, time\np = subprocess.Popen([sys.executable, '-c', {child!r}])\n"
@@ -172,18 +175,30 @@ def test_the_cpu_time_of_a_server_and_its_children_is_read_by_role(tmp_path):
         assert proc.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 20
         while True:
-            cpu = process_tree_cpu_s(proc.pid)
-            if sum(cpu.values()) >= 0.85 or time.monotonic() > deadline:
+            cpu = process_cpu_s(proc.pid)
+            if sum(c for _, c in cpu.values()) >= 0.85 or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        assert set(cpu) == {"api_server", "EngineCore_DP0"}, cpu
-        assert cpu["api_server"] >= 0.28 and cpu["EngineCore_DP0"] >= 0.55, cpu
+        roles = {role: c for role, c in cpu.values()}
+        assert set(roles) == {"api_server", "EngineCore_DP0"}, cpu
+        assert roles["api_server"] >= 0.28 and roles["EngineCore_DP0"] >= 0.55, cpu
+        assert {pid for pid, _ in cpu} == {proc.pid, *(c.pid for c in psutil.Process(proc.pid).children())}
     finally:
-        for p in psutil.Process(proc.pid).children(recursive=True):
-            p.kill()
+        with contextlib.suppress(psutil.Error):
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                p.kill()
         proc.kill()
         proc.wait()
-    assert process_tree_cpu_s(proc.pid) is None
+    assert process_cpu_s(proc.pid) is None
+
+
+def test_cpu_by_role_pairs_the_same_processes_of_two_readings():
+    """A process's seconds are its own difference; one started in between counts from zero; one gone
+    by the second reading is not counted (never a negative share for its role); roles add up."""
+    before = {(1, 10.0): ("api_server", 5.0), (2, 11.0): ("python3", 7.0), (3, 12.0): ("python3", 3.0)}
+    after = {(1, 10.0): ("api_server", 6.5), (2, 11.0): ("python3", 9.0), (4, 20.0): ("python3", 0.5),
+             (3, 30.0): ("python3", 0.25)}  # pid 3 reused by a new process  # fmt: skip
+    assert cpu_by_role(before, after) == {"api_server": 1.5, "python3": 2.75}
 
 
 def _spec(tmp_path):
