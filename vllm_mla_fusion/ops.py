@@ -1,18 +1,19 @@
 """The public ops and their ``torch.library`` registrations (namespace ``mla_fusion``).
 
-Each op is defined once, by a function that maps its signature (names, types,
-defaults: the schema is inferred from it) onto a call of a :class:`~.binding.BoundOp`:
-the op's kind and static flags, then its tensors. From that one definition come
+Each op is defined once, by its public function: the signature users read, with its types,
+defaults and documentation. From it come (``OpCall``, at the end of this module)
 
-- the custom op's kernel: the BoundOp for those flags (kept per flag set) runs the
-  call; it validates each new layout exactly as before (shape/dtype only, no sync)
-  and, for a layout it has validated, only checks that the call has the same one;
-- its fake: the same validation, so that a bad call fails at trace time with the
-  same message;
-- ``eager``: the kernel without torch's dispatcher, for callers already inside an
-  opaque op (tools, benchmarks);
-- the public Python function, which also checks the Python types of its arguments
-  (the dispatcher would silently turn ``is_neox=1`` into True).
+- the custom op's schema: the same parameters, as torch.ops callers pass them;
+- its kernel: the call mapped by parameter name onto a :class:`~.binding.BoundOp` (the op's
+  kind and static flags, then its tensors), kept per flag set; the BoundOp validates each new
+  layout (shape/dtype only, no sync) and, for a layout it has validated, only checks that the
+  call has the same one;
+- its fake: the same validation, so that a bad call fails at trace time with the same message;
+- ``eager``: the kernel without torch's dispatcher, for callers already inside an opaque op
+  (tools, benchmarks).
+
+The public function also checks the Python types of its arguments (the dispatcher would
+silently turn ``is_neox=1`` into True), then calls the custom op.
 
 The ops are registered with ``torch.library.Library`` (define, implementation for the
 CPU and CUDA dispatch keys, fake), as vLLM registers its own: a call costs one trip
@@ -26,6 +27,7 @@ The vLLM plugin does not come through here: each fused layer holds its own Bound
 from __future__ import annotations
 
 import inspect
+import operator
 from types import SimpleNamespace
 
 import torch
@@ -54,119 +56,6 @@ def bound_op(op: int, is_neox: bool, kv_cache_dtype: str, is_nope_first: bool, b
     if table is None:
         table = _BOUND[setting] = BoundOps(*setting)
     return table.get(op, kv_cache_dtype, is_neox, is_nope_first)
-
-
-# --- the ops' definitions: signature -> (flags, arguments in BoundOp's order) -----------------
-
-
-def _rope_cache_write(
-    positions: torch.Tensor,
-    q_pe: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_c: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool,
-    slot_mapping: torch.Tensor,
-    kv_cache: torch.Tensor,
-    kv_cache_dtype: str = "auto",
-    kv_cache_scale: torch.Tensor | None = None,
-    backend: str = "auto",
-) -> tuple:
-    flags = (OP_ROPE_CACHE, is_neox, kv_cache_dtype, True, backend)
-    return flags, (positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale)
-
-
-def _decode_rope_cache_write(
-    positions: torch.Tensor,
-    ql_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_c: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool,
-    slot_mapping: torch.Tensor,
-    kv_cache: torch.Tensor,
-    q_out: torch.Tensor,
-    kv_cache_dtype: str = "auto",
-    kv_cache_scale: torch.Tensor | None = None,
-    q_scale: torch.Tensor | None = None,
-    is_nope_first: bool = True,
-    backend: str = "auto",
-) -> tuple:
-    flags = (OP_DECODE, is_neox, kv_cache_dtype, is_nope_first, backend)
-    return flags, (positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale, ql_nope,
-                   q_out, q_scale)  # fmt: skip
-
-
-def _prefill_rope_cache_write(
-    positions: torch.Tensor,
-    q_pe: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_c: torch.Tensor,
-    k_nope: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool,
-    slot_mapping: torch.Tensor,
-    kv_cache: torch.Tensor,
-    k_out: torch.Tensor,
-    kv_cache_dtype: str = "auto",
-    kv_cache_scale: torch.Tensor | None = None,
-    backend: str = "auto",
-    *,
-    key_start: int = 0,  # keyword-only, after backend: positional calls of the op keep their meaning
-) -> tuple:
-    flags = (OP_PREFILL, is_neox, kv_cache_dtype, True, backend)
-    return flags, (positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale, k_nope,
-                   k_out, None, key_start)  # fmt: skip
-
-
-# Each op's name, definition and the arguments it writes.
-_OPS = {
-    "mla_rope_cache_write": (_rope_cache_write, ("q_pe", "k_pe", "kv_cache")),
-    "mla_decode_rope_cache_write": (_decode_rope_cache_write, ("kv_cache", "q_out")),
-    "mla_prefill_rope_cache_write": (_prefill_rope_cache_write, ("q_pe", "k_pe", "kv_cache", "k_out")),
-}
-
-
-def _kernel(definition):
-    """The op's body: run the call through the BoundOp for its flags."""
-
-    def run(*args, **kwargs) -> None:
-        flags, tensors = definition(*args, **kwargs)
-        bound_op(*flags)(*tensors)
-
-    return run
-
-
-def _fake(definition):
-    """The op's fake: the body's validation and backend-name check, without running anything."""
-
-    def validate(*args, **kwargs) -> None:
-        flags, tensors = definition(*args, **kwargs)
-        bound_op(*flags).validate(*tensors)
-
-    return validate
-
-
-def _schema(definition, mutates: tuple[str, ...]) -> str:
-    """The schema of ``definition``'s parameters, returning nothing (the definitions return the
-    call's flags and tensors; the op itself returns None)."""
-
-    def prototype(*args, **kwargs) -> None: ...
-
-    prototype.__signature__ = inspect.signature(definition, eval_str=True).replace(return_annotation=None)
-    return torch.library.infer_schema(prototype, mutates_args=mutates)
-
-
-for _name, (_definition, _mutates) in _OPS.items():
-    _LIB.define(_name + _schema(_definition, _mutates))
-    for _key in ("CPU", "CUDA"):  # CUDA also serves ROCm's HIP tensors
-        _LIB.impl(_name, _kernel(_definition), _key)
-    torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake(_definition), lib=_LIB)
-
-
-# The ops' bodies without torch's dispatcher (positional arguments as in ``torch.ops.mla_fusion.*``).
-eager = SimpleNamespace(**{name: _kernel(definition) for name, (definition, _) in _OPS.items()})
 
 
 def mla_rope_cache_write(
@@ -340,3 +229,89 @@ def mla_prefill_rope_cache_write(
         positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping, kv_cache, k_out,
         kv_cache_dtype, kv_cache_scale, backend or "auto", key_start=key_start,
     )  # fmt: skip
+
+
+# --- the custom ops, derived from the public functions -------------------------------------------
+
+# The tensor arguments every op has, in BoundOp's order; each op's own three follow (OpCall's roles).
+_COMMON = ("positions", "q_pe", "k_pe", "kv_c", "cos_sin_cache", "slot_mapping", "kv_cache", "kv_cache_scale")
+# Appended to a call's arguments: what an argument the op does not have reads.
+_ABSENT = (None,)
+
+
+class OpCall:
+    """One custom op, derived from its public function: its schema and how a call maps onto a BoundOp.
+
+    The schema is the public signature as ``torch.ops`` callers pass it: every parameter
+    positional, in order, except ``key_start`` (keyword-only, last); ``backend`` a ``str``
+    defaulting to ``"auto"`` (the public functions turn None into it). A call in that order
+    maps onto the op's BoundOp by parameter name: the static flags (op, is_neox,
+    kv_cache_dtype, is_nope_first, backend), then the tensors in BoundOp's order, where
+    ``roles`` names the op's own input, output and output scale (BoundOp's ``nope``,
+    ``out``, ``out_scale``; None where the op has none), and op 3's ``key_start``.
+    """
+
+    def __init__(self, public, op: int, writes: tuple[str, ...], roles: tuple[str | None, str | None, str | None]):
+        self.public, self.op, self.writes = public, op, writes
+        positional, keyword = [], []
+        for prm in inspect.signature(public, eval_str=True).parameters.values():
+            if prm.name == "key_start":
+                keyword.append(prm)
+            elif prm.name == "backend":
+                positional.append(prm.replace(kind=prm.POSITIONAL_OR_KEYWORD, annotation=str, default="auto"))
+            else:
+                positional.append(prm.replace(kind=prm.POSITIONAL_OR_KEYWORD))
+        self.signature = inspect.Signature(positional + keyword, return_annotation=None)
+        names = [prm.name for prm in positional]
+        self._count = len(names)
+        # Indices into the arguments with a None appended (position len(names)): an absent role reads it.
+        index = {name: i for i, name in enumerate(names)}
+        self._flags = operator.itemgetter(index["is_neox"], index["kv_cache_dtype"], index.get("is_nope_first", -1),
+                                          index["backend"])  # fmt: skip
+        self._tensors = operator.itemgetter(*(index[n] if n else len(names) for n in (*_COMMON, *roles)))
+
+    def schema(self) -> str:
+        def prototype(*args, **kwargs) -> None: ...
+
+        prototype.__signature__ = self.signature
+        return torch.library.infer_schema(prototype, mutates_args=self.writes)
+
+    def bind(self, args: tuple, kwargs: dict) -> tuple[BoundOp, tuple]:
+        """The BoundOp for a call's flags and its arguments in BoundOp's order."""
+        if len(args) != self._count or (kwargs and kwargs.keys() != {"key_start"}):
+            # Some defaults left out, or arguments by name (the dispatcher passes what the caller gave).
+            call = self.signature.bind(*args, **kwargs)  # a TypeError names a missing or unknown argument
+            call.apply_defaults()
+            args, kwargs = call.args, call.kwargs
+        full = args + _ABSENT
+        is_neox, kv_cache_dtype, is_nope_first, backend = self._flags(full)
+        is_nope_first = True if is_nope_first is None else is_nope_first  # index -1: ops without the flag
+        key_start = kwargs.get("key_start", 0) if kwargs else 0
+        return bound_op(self.op, is_neox, kv_cache_dtype, is_nope_first, backend), self._tensors(full) + (key_start,)
+
+    def kernel(self, *args, **kwargs) -> None:
+        op, arguments = self.bind(args, kwargs)
+        op(*arguments)
+
+    def fake(self, *args, **kwargs) -> None:
+        """The body's validation and backend-name check, without running anything."""
+        op, arguments = self.bind(args, kwargs)
+        op.validate(*arguments)
+
+
+OP_CALLS = {
+    "mla_rope_cache_write": OpCall(mla_rope_cache_write, OP_ROPE_CACHE, ("q_pe", "k_pe", "kv_cache"),
+                                   (None, None, None)),
+    "mla_decode_rope_cache_write": OpCall(mla_decode_rope_cache_write, OP_DECODE, ("kv_cache", "q_out"),
+                                          ("ql_nope", "q_out", "q_scale")),
+    "mla_prefill_rope_cache_write": OpCall(mla_prefill_rope_cache_write, OP_PREFILL, ("q_pe", "k_pe", "kv_cache", "k_out"),
+                                           ("k_nope", "k_out", None)),
+}  # fmt: skip
+for _name, _call in OP_CALLS.items():
+    _LIB.define(_name + _call.schema())
+    for _key in ("CPU", "CUDA"):  # CUDA also serves ROCm's HIP tensors
+        _LIB.impl(_name, _call.kernel, _key)
+    torch.library.register_fake(f"{NAMESPACE}::{_name}", _call.fake, lib=_LIB)
+
+# The ops' bodies without torch's dispatcher (arguments as ``torch.ops.mla_fusion.*`` takes them).
+eager = SimpleNamespace(**{name: call.kernel for name, call in OP_CALLS.items()})

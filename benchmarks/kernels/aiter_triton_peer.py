@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
 import sys
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from vllm_mla_fusion import mla_decode_rope_cache_write
 
 ENV_PATH = "VLLM_MLA_FUSION_AITER_TRITON_PATH"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -104,26 +107,22 @@ def unavailable_reason() -> str | None:
     return _load()[1]
 
 
-def mla_decode(
-    op: AiterTritonOp,
-    positions: torch.Tensor,
-    ql_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_c: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool,
-    slot_mapping: torch.Tensor,
-    kv_cache: torch.Tensor,
-    q_out: torch.Tensor,
-    kv_cache_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Op 2's call in this project's vocabulary, run by AITER's Triton op; returns ``q_out``.
+def mla_decode(op: AiterTritonOp, *args, **kwargs) -> torch.Tensor:
+    """Op 2's call run by AITER's Triton op; returns ``q_out``.
 
-    Shapes as for ``vllm_mla_fusion.mla_decode_rope_cache_write`` (``kv_cache``
-    typed, not uint8). ``positions``/``slot_mapping`` must have exactly T
-    entries (AITER takes the token count from them).
+    The arguments are ``vllm_mla_fusion.mla_decode_rope_cache_write``'s (bound against its
+    signature: the op's one definition), with ``kv_cache`` typed, not uint8; the fp8 format
+    comes from its dtype, so ``kv_cache_dtype`` is not read, nor ``q_scale`` (a bf16 query),
+    ``is_nope_first`` (AITER's order is nope first) or ``backend``. ``positions`` and
+    ``slot_mapping`` must have exactly T entries (AITER takes the token count from them).
     """
+    call = inspect.signature(mla_decode_rope_cache_write).bind(*args, **kwargs)
+    call.apply_defaults()
+    a = call.arguments
+    positions, ql_nope, q_pe, k_pe, kv_c = a["positions"], a["ql_nope"], a["q_pe"], a["k_pe"], a["kv_c"]
+    cos_sin_cache, is_neox, slot_mapping, kv_cache, q_out = (a["cos_sin_cache"], a["is_neox"], a["slot_mapping"],
+                                                             a["kv_cache"], a["q_out"])  # fmt: skip
+    kv_cache_scale = a["kv_cache_scale"]
     T, H, R = q_pe.shape
     L = kv_c.shape[-1]
     if kv_cache.shape[1] != 1:

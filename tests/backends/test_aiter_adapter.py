@@ -390,7 +390,7 @@ def test_cache_view_keeps_padded_blocks_and_block_size_one():
 def test_uint8_cache_is_viewed_as_the_chips_fp8_type():
     call = make_call(cache_dtype=torch.uint8)
     p = Problem(5, 16, L, R, torch.float8_e4m3fnuz, torch.bfloat16)  # what validation resolves "fp8" to on gfx942
-    args = ab.prepare_decode_args(p, *_positional(call), None, None, True)
+    args = _prepare(p, call)
     assert args.kv_cache.dtype == torch.float8_e4m3fnuz
     assert args.kv_cache.data_ptr() == call["kv_cache"].data_ptr()
     assert args.kv_cache.shape == (8 * 16, 1, L + R)
@@ -474,7 +474,7 @@ def test_prepare_decode_args_guards_slots_past_the_cache(padded_blocks, index_dt
         call["kv_cache"] = torch.full((8, 17, L + R), 0.75).to(torch.bfloat16)[:, :16]
     cap = 8 * 16
     call["slot_mapping"] = torch.tensor([0, cap, 5, cap + 2, 10**9, cap - 1, 2**31 - 1, 9], dtype=index_dtype)
-    a = ab.prepare_decode_args(problem_of(call), *_positional(call), None, None, True, rope_splits=ab.RopeSplitCache())
+    a = _prepare(problem_of(call), call, rope_splits=ab.RopeSplitCache())
     assert a.kv_cache.shape[:2] == ((8, 16) if padded_blocks else (cap, 1))
     assert a.slot_mapping.dtype == torch.int64
     assert a.slot_mapping.tolist() == [0, -1, 5, -1, -1, cap - 1, -1]
@@ -489,16 +489,25 @@ def test_default_scales_are_cached_float32_ones():
 
 
 def _positional(call):
+    """The public op 2's leading arguments from a make_call dict."""
     c = call
     return (c["positions"], c["ql_nope"], c["q_pe"], c["k_pe"], c["kv_c"], c["cos_sin_cache"], c["is_neox"],
             c["slot_mapping"], c["kv_cache"], c["q_out"])  # fmt: skip
+
+
+def _prepare(p, call, kv_cache_scale=None, q_scale=None, **kwargs):
+    """prepare_decode_args on a make_call dict, its tensors in binding.Site's order."""
+    c = call
+    return ab.prepare_decode_args(p, c["positions"], c["q_pe"], c["k_pe"], c["kv_c"], c["cos_sin_cache"],
+                                  c["slot_mapping"], c["kv_cache"], kv_cache_scale, c["ql_nope"], c["q_out"], q_scale,
+                                  is_neox=c["is_neox"], is_nope_first=True, **kwargs)  # fmt: skip
 
 
 def test_prepare_decode_args_layout():
     call = make_call(T=5, H=16)
     p = problem_of(call)
     ks, qs = torch.tensor([0.5]), torch.tensor([2.0])
-    a = ab.prepare_decode_args(p, *_positional(call), ks, qs, True, rope_splits=ab.RopeSplitCache())
+    a = _prepare(p, call, ks, qs, rope_splits=ab.RopeSplitCache())
     assert a.q_nope is call["ql_nope"] and a.q_pe is call["q_pe"] and a.q_out is call["q_out"]
     assert a.kv_c.shape == (5, L) and a.k_pe.shape == (5, R)
     assert a.k_pe.data_ptr() == call["k_pe"].data_ptr() and a.k_pe.stride(0) == call["k_pe"].stride(0)
@@ -706,8 +715,7 @@ def test_emulated_aiter_writes_past_the_cache_without_the_guard():
     """The model reproduces the hazard the guard prevents: AITER's kernels given such slots write
     into the memory after the cache (and past the allocation for 10**9)."""
     call, buffer, cap = _guarded_call()
-    args = list(ab.prepare_decode_args(problem_of(call), *_positional(call), None, None, True,
-                                       rope_splits=ab.RopeSplitCache()).as_tuple())  # fmt: skip
+    args = list(_prepare(problem_of(call), call, rope_splits=ab.RopeSplitCache()).as_tuple())
     args[6] = ab.as_int64_index(call["slot_mapping"], 7)  # the raw slots, without guard_slots
     with pytest.raises(AssertionError, match="past the cache's allocation"):
         emulate_hip_op(*args)

@@ -108,7 +108,7 @@ def run_both(op, c, is_neox, cache_dtype=None, kv_cache_scale=None):
     args = (c["positions"], c["ql_nope"], c["q_pe"], c["k_pe"], c["kv_c"], c["cos_sin_cache"], is_neox,
             c["slot_mapping"])  # fmt: skip
     mla.mla_decode_rope_cache_write(*args, ours_cache, ours_q, "auto", kv_cache_scale, backend="triton")
-    returned = peer.mla_decode(op, *args, theirs_cache, theirs_q, kv_cache_scale)
+    returned = peer.mla_decode(op, *args, theirs_cache, theirs_q, kv_cache_scale=kv_cache_scale)
     assert returned.data_ptr() == theirs_q.data_ptr(), "AITER must write the q_out it was given"
     if c["q_pe"].is_cuda:
         torch.cuda.synchronize()

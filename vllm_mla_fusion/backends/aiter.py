@@ -593,24 +593,13 @@ class AiterArgs:
                 self.is_nope_first, self.compute_all_q_rope)  # fmt: skip
 
 
-def prepare_decode_args(
-    p: Problem,
-    positions: torch.Tensor,
-    ql_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_c: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool,
-    slot_mapping: torch.Tensor,
-    kv_cache: torch.Tensor,
-    q_out: torch.Tensor,
-    kv_cache_scale: torch.Tensor | None,
-    q_scale: torch.Tensor | None,
-    is_nope_first: bool,
-    rope_splits: RopeSplitCache | None = None,
-) -> AiterArgs:
-    """Map validated op-2 arguments onto the HIP op's (views; copies only where unavoidable).
+def prepare_decode_args(p: Problem, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale,
+                        ql_nope, q_out, q_scale, *, is_neox: bool, is_nope_first: bool,
+                        rope_splits: RopeSplitCache | None = None) -> AiterArgs:  # fmt: skip
+    """Map a validated op-2 call onto the HIP op's arguments (views; copies only where unavoidable).
+
+    The tensors come as every backend takes them (binding.Site's order: ``ql_nope``, ``q_out``,
+    ``q_scale`` in the places of ``nope``, ``out``, ``out_scale``).
 
     - uint8 fp8 storage -> a typed view (``p.cache_dtype``, the chip's e4m3);
     - the cache viewed ``[num_slots, 1, L+R]`` when possible (``cache_view``);
@@ -691,10 +680,9 @@ class BoundDecode:
             self.fallback(T, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache, kv_cache_scale,
                           ql_nope, q_out, q_scale)  # fmt: skip
             return
-        args = prepare_decode_args(
-            p, positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, self.is_neox, slot_mapping, kv_cache, q_out,
-            kv_cache_scale, q_scale, self.is_nope_first,
-        )  # fmt: skip
+        args = prepare_decode_args(p, positions, q_pe, k_pe, kv_c, cos_sin_cache, slot_mapping, kv_cache,
+                                   kv_cache_scale, ql_nope, q_out, q_scale, is_neox=self.is_neox,
+                                   is_nope_first=self.is_nope_first)  # fmt: skip
         # AITER launches on the current device's current stream (its pybind path sets the stream from
         # torch.cuda.current_device()), so a tensor on another GPU would be launched with a foreign stream.
         if self.device_index is not None and self.device_index != torch.cuda.current_device():
