@@ -44,11 +44,15 @@ def test_census_counts_what_each_layer_ran(vllm_cpu, counted_layers):
     mode = H.mla_layer(on)[0].fusion_mode
     names = {tag: H.mla_layer(a)[0].prefix for tag, a in (("off", off), ("on", on))}
     builder = vllm_cpu.builder([H.mla_layer(a)[1].layer_name for a in (off, on)])
-    requests = {0: H.Request([5, 2, 9, 12]), 1: H.Request([0, 7, 3, 14]), 2: H.Request([1, 10, 4, 6])}
+    requests = {0: H.Request([5, 2, 9, 12]), 1: H.Request([0, 7, 3, 14]), 2: H.Request([1, 10, 4, 6]),
+                3: H.Request([8, 11, 13, 15]), 4: H.Request([16, 17, 18, 19]), 5: H.Request([20, 21, 22, 23])}
     steps = [
         H.Step("prefill", [(0, 13), (1, 29)]),
         H.Step("decode", [(0, 1), (1, 1)]),
         H.Step("mixed", [(0, 1), (1, 1), (2, 20)]),
+        # Issue 40's slow steps carry several prompts beside the decodes: the launches stay one
+        # per layer and kind, whatever the number of prompts (nothing per prefill sequence).
+        H.Step("mixed, three prompts", [(0, 1), (1, 1), (2, 1), (3, 21), (4, 9), (5, 17)]),
         H.Step("decode + chunked prefill", [(0, 1), (1, 1), (2, 15)]),
     ]
     g = torch.Generator().manual_seed(3)
