@@ -168,6 +168,19 @@ def prepare_step(step: Step, requests: dict[int, Request], block_size: int = BLO
     )  # fmt: skip
 
 
+def step_inputs(env: VllmCpu, builder, steps: list[Step], requests: dict[int, Request], seed: int,
+                block_size: int = BLOCK_SIZE):
+    """Each step of ``steps`` in turn, as ``(step, attention metadata, hidden states)``: the requests
+    advanced as vLLM's scheduler would (prepare_step), the metadata built by the backend's builder,
+    fresh random hidden states from one generator seeded with ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    for step in steps:
+        common = prepare_step(step, requests, block_size)
+        with env.active():
+            metadata = builder.build(0, common)
+        yield step, metadata, torch.randn((step.positions.numel(), DSV3_CONFIG["hidden_size"]), generator=g).to(DTYPE)
+
+
 def new_kv_cache(seed: int, shape: tuple[int, ...] = (NUM_BLOCKS, 1, BLOCK_SIZE, 576)) -> torch.Tensor:
     """A cache (CPU_MLA's [num_blocks, 1, block_size, 576] by default) filled with canary values (never all-zero rows)."""
     g = torch.Generator().manual_seed(seed)

@@ -128,12 +128,7 @@ def run_schedule(vllm_cpu, attns, block_size: int, caches: list[torch.Tensor]) -
         H.Step("padded decode", [(0, 1), (1, 1), (2, 1)], pad_to=8),
     ]
     outputs = [[] for _ in attns]
-    g = torch.Generator().manual_seed(12)
-    for step in steps:
-        common = H.prepare_step(step, requests, block_size)
-        with vllm_cpu.active():
-            metadata = builder.build(0, common)
-        hidden = torch.randn((step.positions.numel(), H.DSV3_CONFIG["hidden_size"]), generator=g).to(H.DTYPE)
+    for step, metadata, hidden in H.step_inputs(vllm_cpu, builder, steps, requests, seed=12, block_size=block_size):
         for out, attn in zip(outputs, attns, strict=True):
             out.append(H.run_step(vllm_cpu, attn, metadata, step, hidden)[: step.num_tokens])
     return outputs

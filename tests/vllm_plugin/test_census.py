@@ -55,12 +55,7 @@ def test_census_counts_what_each_layer_ran(vllm_cpu, counted_layers):
         H.Step("mixed, three prompts", [(0, 1), (1, 1), (2, 1), (3, 21), (4, 9), (5, 17)]),
         H.Step("decode + chunked prefill", [(0, 1), (1, 1), (2, 15)]),
     ]
-    g = torch.Generator().manual_seed(3)
-    for step in steps:
-        common = H.prepare_step(step, requests)
-        with vllm_cpu.active():
-            metadata = builder.build(0, common)
-        hidden = torch.randn((step.positions.numel(), H.DSV3_CONFIG["hidden_size"]), generator=g).to(H.DTYPE)
+    for step, metadata, hidden in H.step_inputs(vllm_cpu, builder, steps, requests, seed=3):
         recorded = {}
         for tag, attn in (("off", off), ("on", on)):
             with census.step():

@@ -137,12 +137,8 @@ def _two_steps(vllm_cpu, attns):
     builder = vllm_cpu.builder([H.mla_layer(a)[1].layer_name for a in attns])
     results = [[] for _ in attns]
     requests = {0: H.Request([3, 1]), 1: H.Request([0, 2])}
-    g = torch.Generator().manual_seed(9)
-    for step in (H.Step("prefill", [(0, 5), (1, 9)]), H.Step("decode", [(0, 1), (1, 1)])):
-        common = H.prepare_step(step, requests)
-        with vllm_cpu.active():
-            metadata = builder.build(0, common)
-        hidden = torch.randn((step.positions.numel(), H.DSV3_CONFIG["hidden_size"]), generator=g).to(H.DTYPE)
+    steps = [H.Step("prefill", [(0, 5), (1, 9)]), H.Step("decode", [(0, 1), (1, 1)])]
+    for step, metadata, hidden in H.step_inputs(vllm_cpu, builder, steps, requests, seed=9):
         for out, attn in zip(results, attns, strict=True):
             out.append(H.run_step(vllm_cpu, attn, metadata, step, hidden))
     return results

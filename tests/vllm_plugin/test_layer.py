@@ -316,12 +316,8 @@ def test_fused_layers_bind_their_ops_with_the_early_index_loads_promise(vllm_cpu
     mla = H.mla_layer(on)[1]
     builder = vllm_cpu.builder([mla.layer_name])
     requests, steps = schedule()
-    g = torch.Generator().manual_seed(11)
-    for step in steps[:4]:  # a prefill, two decodes, a mixed batch
-        common = H.prepare_step(step, requests)
-        with vllm_cpu.active():
-            metadata = builder.build(0, common)
-        H.run_step(vllm_cpu, on, metadata, step, torch.randn((step.positions.numel(), HIDDEN), generator=g).to(H.DTYPE))
+    for step, metadata, hidden in H.step_inputs(vllm_cpu, builder, steps[:4], requests, seed=11):
+        H.run_step(vllm_cpu, on, metadata, step, hidden)  # a prefill, two decodes, a mixed batch
     assert custom_ops.EARLY_INDEX_LOADS is True and mla._bound_ops.early_index_loads is True
     bound = list(mla._bound_ops._ops.values())
     launches = [site for op in bound for site, _ in op.sites.values()]
@@ -349,12 +345,7 @@ def test_compiled_forward_matches_eager(vllm_cpu, layer_pair):
 
     torch._dynamo.reset()  # each case compiles the same forward anew: earlier cases' entries would hit the cache limit
     compiled = torch.compile(on, backend=recording_backend, fullgraph=True, dynamic=False)
-    g = torch.Generator().manual_seed(5)
-    for step in steps[:4]:  # prefill, decodes, mixed
-        common = H.prepare_step(step, requests)
-        with vllm_cpu.active():
-            metadata = builder.build(0, common)
-        hidden = torch.randn((step.positions.numel(), HIDDEN), generator=g).to(H.DTYPE)
+    for step, metadata, hidden in H.step_inputs(vllm_cpu, builder, steps[:4], requests, seed=5):  # prefill, decodes, mixed
         before = mla.kv_cache.clone()
         want = H.run_step(vllm_cpu, on, metadata, step, hidden)
         cache_eager = mla.kv_cache.clone()

@@ -141,12 +141,7 @@ def test_the_variants_compiled_ahead_are_the_ones_the_steps_launch(vllm_cpu, tri
     requests = {0: H.Request([5, 2, 9, 12]), 1: H.Request([0, 7, 3, 14]), 2: H.Request([1, 10, 4, 6])}
     steps = [H.Step("prefill", [(0, 13), (1, 29)]), H.Step("decode", [(0, 1), (1, 1)]),
              H.Step("mixed", [(0, 1), (1, 1), (2, 20)]), H.Step("padded decode", [(0, 1), (1, 1)], pad_to=8)]  # fmt: skip
-    g = torch.Generator().manual_seed(5)
-    for step in steps:
-        common = H.prepare_step(step, requests)
-        with vllm_cpu.active():
-            metadata = builder.build(0, common)
-        hidden = torch.randn((step.positions.numel(), H.DSV3_CONFIG["hidden_size"]), generator=g).to(H.DTYPE)
+    for step, metadata, hidden in H.step_inputs(vllm_cpu, builder, steps, requests, seed=5):
         H.run_step(vllm_cpu, triton_layer, metadata, step, hidden)
     served = [(op, c) for forced, op, c in launches if not forced]
     assert served and not any(forced for forced, _, _ in launches)
