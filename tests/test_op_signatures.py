@@ -57,3 +57,27 @@ def test_an_op_without_a_public_function_cannot_be_registered():
     assert set(ops.OP_CALLS) == set(SCHEMAS)
     for name, call in ops.OP_CALLS.items():
         assert call.public is getattr(mla, name)
+
+
+def test_a_call_may_leave_out_trailing_defaults_or_name_its_arguments(monkeypatch):
+    """As torch.ops callers and ``ops.eager`` pass them: the schema's trailing defaults left out,
+    arguments by name, or positionally in full, map onto the same BoundOp call; a missing required
+    argument or an unknown name is a TypeError naming it."""
+    flags = []
+    monkeypatch.setattr(ops, "bound_op", lambda *f: flags.append(f) or f)
+    t = [torch.zeros(1) for _ in range(10)]
+    call = ops.OP_CALLS["mla_decode_rope_cache_write"]
+    full = (*t[:6], True, *t[6:9], "auto", None, None, True, "auto")
+    names = list(call.signature.parameters)
+    results = [call.bind(full, {}), call.bind(full[:10], {}), call.bind(full[:14], {}),
+               call.bind(full[:8], dict(zip(names[8:10], full[8:10])))]  # fmt: skip
+    for op, tensors in results[1:]:
+        assert op == results[0][0] and all(a is b for a, b in zip(tensors, results[0][1], strict=True))
+    assert results[0][0] == (ops.OP_DECODE, True, "auto", True, "auto")
+    assert call.bind((*full[:13], False), {})[0][3] is False  # is_nope_first, where the op has it
+    prefill = ops.OP_CALLS["mla_prefill_rope_cache_write"]
+    assert prefill.bind((*t[:6], False, *t[6:9]), {"key_start": 3})[1][-1] == 3
+    with pytest.raises(TypeError, match="q_out"):
+        call.bind(full[:9], {})
+    with pytest.raises(TypeError, match="nope_first"):
+        call.bind(full[:10], {"nope_first": False})

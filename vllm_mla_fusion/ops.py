@@ -264,6 +264,10 @@ class OpCall:
         self.signature = inspect.Signature(positional + keyword, return_annotation=None)
         names = [prm.name for prm in positional]
         self._count = len(names)
+        # Trailing defaults, filled in fast for a positional call that leaves them out (the dispatcher
+        # passes what the caller gave; eager callers too).
+        self._required = sum(prm.default is prm.empty for prm in positional)
+        self._defaults = tuple(prm.default for prm in positional)
         # Indices into the arguments with a None appended (position len(names)): an absent role reads it.
         index = {name: i for i, name in enumerate(names)}
         self._flags = operator.itemgetter(index["is_neox"], index["kv_cache_dtype"], index.get("is_nope_first", -1),
@@ -278,11 +282,13 @@ class OpCall:
 
     def bind(self, args: tuple, kwargs: dict) -> tuple[BoundOp, tuple]:
         """The BoundOp for a call's flags and its arguments in BoundOp's order."""
-        if len(args) != self._count or (kwargs and kwargs.keys() != {"key_start"}):
-            # Some defaults left out, or arguments by name (the dispatcher passes what the caller gave).
-            call = self.signature.bind(*args, **kwargs)  # a TypeError names a missing or unknown argument
+        if (kwargs and kwargs.keys() != {"key_start"}) or not self._required <= len(args) <= self._count:
+            # Arguments by name, or too few or too many: Python's own binding (its TypeError names them).
+            call = self.signature.bind(*args, **kwargs)
             call.apply_defaults()
             args, kwargs = call.args, call.kwargs
+        elif len(args) < self._count:
+            args = args + self._defaults[len(args) :]
         full = args + _ABSENT
         is_neox, kv_cache_dtype, is_nope_first, backend = self._flags(full)
         is_nope_first = True if is_nope_first is None else is_nope_first  # index -1: ops without the flag
