@@ -44,7 +44,8 @@ def test_the_schema_is_the_public_functions_signature(name):
     positional in the schema: torch.ops callers pass them so), same defaults but the backend's."""
     public = inspect.signature(getattr(mla, name)).parameters
     schema = getattr(torch.ops.mla_fusion, name).default._schema.arguments
-    assert [a.name for a in schema] == [n for n in public if n != "key_start"] + (["key_start"] if "key_start" in public else [])
+    keyword = ["key_start"] if "key_start" in public else []
+    assert [a.name for a in schema] == [n for n in public if n != "key_start"] + keyword
     for a in schema:
         p = public[a.name]
         if a.name != "backend":
@@ -59,25 +60,62 @@ def test_an_op_without_a_public_function_cannot_be_registered():
         assert call.public is getattr(mla, name)
 
 
-def test_a_call_may_leave_out_trailing_defaults_or_name_its_arguments(monkeypatch):
-    """As torch.ops callers and ``ops.eager`` pass them: the schema's trailing defaults left out,
-    arguments by name, or positionally in full, map onto the same BoundOp call; a missing required
-    argument or an unknown name is a TypeError naming it."""
-    flags = []
-    monkeypatch.setattr(ops, "bound_op", lambda *f: flags.append(f) or f)
-    t = [torch.zeros(1) for _ in range(10)]
-    call = ops.OP_CALLS["mla_decode_rope_cache_write"]
-    full = (*t[:6], True, *t[6:9], "auto", None, None, True, "auto")
-    names = list(call.signature.parameters)
-    results = [call.bind(full, {}), call.bind(full[:10], {}), call.bind(full[:14], {}),
-               call.bind(full[:8], dict(zip(names[8:10], full[8:10])))]  # fmt: skip
-    for op, tensors in results[1:]:
-        assert op == results[0][0] and all(a is b for a, b in zip(tensors, results[0][1], strict=True))
-    assert results[0][0] == (ops.OP_DECODE, True, "auto", True, "auto")
-    assert call.bind((*full[:13], False), {})[0][3] is False  # is_nope_first, where the op has it
+def test_a_call_maps_onto_its_boundop_by_name(monkeypatch):
+    """The kernel passes the flags, then the tensors in BoundOp's order, the op's own three in the
+    places of ``nope``, ``out``, ``out_scale``, then op 3's ``key_start``; trailing defaults left out,
+    arguments by name or in full are one call; a missing required argument or an unknown name is a
+    TypeError naming it (the fake maps the same way onto ``validate``)."""
+    calls = []
+
+    class Recorder:
+        def __init__(self, *flags):
+            self.flags = flags
+
+        def __call__(self, *args):
+            calls.append((self.flags, args))
+
+        def validate(self, *args):
+            calls.append((self.flags, args, "validate"))
+
+    monkeypatch.setattr(ops, "bound_op", Recorder)
+    t = [torch.zeros(1) for _ in range(9)]
+    decode = ops.OP_CALLS["mla_decode_rope_cache_write"]
+    # positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, q_out, ...
+    full = (t[0], t[1], t[2], t[3], t[4], t[5], True, t[6], t[7], t[8], "fp8", t[4], t[5], False, "torch")
+    decode.kernel(*full)
+    assert calls[-1] == ((ops.OP_DECODE, True, "fp8", False, "torch"),
+                         (t[0], t[2], t[3], t[4], t[5], t[6], t[7], t[4], t[1], t[8], t[5], 0))  # fmt: skip
+    decode.kernel(*full[:10])
+    assert calls[-1][0] == (ops.OP_DECODE, True, "auto", True, "auto") and calls[-1][1][7:] == (None, t[1], t[8],
+                                                                                                None, 0)  # fmt: skip
+    decode.kernel(*full[:8], kv_cache=t[7], q_out=t[8], q_scale=t[5])
+    assert calls[-1][1][-2] is t[5]
+    decode.fake(*full)
+    assert calls[-1][2] == "validate" and calls[-1][1] == calls[0][1]
     prefill = ops.OP_CALLS["mla_prefill_rope_cache_write"]
-    assert prefill.bind((*t[:6], False, *t[6:9]), {"key_start": 3})[1][-1] == 3
+    # positions, q_pe, k_pe, kv_c, k_nope, cos_sin_cache, is_neox, slot_mapping, kv_cache, k_out
+    prefill.kernel(t[0], t[1], t[2], t[3], t[4], t[5], False, t[6], t[7], t[8], key_start=3)
+    assert calls[-1] == ((ops.OP_PREFILL, False, "auto", True, "auto"),
+                         (t[0], t[1], t[2], t[3], t[5], t[6], t[7], None, t[4], t[8], None, 3))  # fmt: skip
+    rope = ops.OP_CALLS["mla_rope_cache_write"]
+    rope.kernel(*t[:5], True, *t[5:7])
+    assert calls[-1][1][8:] == (None, None, None, 0)
     with pytest.raises(TypeError, match="q_out"):
-        call.bind(full[:9], {})
+        decode.kernel(*full[:9])
     with pytest.raises(TypeError, match="nope_first"):
-        call.bind(full[:10], {"nope_first": False})
+        decode.kernel(*full[:10], nope_first=False)
+    with pytest.raises(TypeError, match="key_start"):
+        rope.kernel(*t[:5], True, *t[5:7], key_start=0)
+
+
+def test_a_public_parameter_that_reaches_no_boundop_argument_is_refused():
+    """A parameter added to a public function must be passed on: the registration refuses one that
+    no flag, tensor role or ``key_start`` takes (it would reach the schema and never the kernel)."""
+
+    def op_with_extra(positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor, kv_c: torch.Tensor,
+                      cos_sin_cache: torch.Tensor, is_neox: bool, slot_mapping: torch.Tensor, kv_cache: torch.Tensor,
+                      kv_cache_dtype: str = "auto", kv_cache_scale: torch.Tensor | None = None, *,
+                      backend: str | None = None, margin: int = 0) -> None: ...  # fmt: skip
+
+    with pytest.raises(TypeError, match="margin"):
+        ops.OpCall(op_with_extra, ops.OP_ROPE_CACHE, ("q_pe",), (None, None, None))

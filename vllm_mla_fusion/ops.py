@@ -27,7 +27,6 @@ The vLLM plugin does not come through here: each fused layer holds its own Bound
 from __future__ import annotations
 
 import inspect
-import operator
 from types import SimpleNamespace
 
 import torch
@@ -235,20 +234,22 @@ def mla_prefill_rope_cache_write(
 
 # The tensor arguments every op has, in BoundOp's order; each op's own three follow (OpCall's roles).
 _COMMON = ("positions", "q_pe", "k_pe", "kv_c", "cos_sin_cache", "slot_mapping", "kv_cache", "kv_cache_scale")
-# Appended to a call's arguments: what an argument the op does not have reads.
-_ABSENT = (None,)
+_FLAGS = ("is_neox", "kv_cache_dtype", "is_nope_first", "backend")
 
 
 class OpCall:
-    """One custom op, derived from its public function: its schema and how a call maps onto a BoundOp.
+    """One custom op, derived from its public function: its schema, kernel and fake.
 
     The schema is the public signature as ``torch.ops`` callers pass it: every parameter
     positional, in order, except ``key_start`` (keyword-only, last); ``backend`` a ``str``
-    defaulting to ``"auto"`` (the public functions turn None into it). A call in that order
-    maps onto the op's BoundOp by parameter name: the static flags (op, is_neox,
-    kv_cache_dtype, is_nope_first, backend), then the tensors in BoundOp's order, where
-    ``roles`` names the op's own input, output and output scale (BoundOp's ``nope``,
-    ``out``, ``out_scale``; None where the op has none), and op 3's ``key_start``.
+    defaulting to ``"auto"`` (the public functions turn None into it).
+
+    The kernel and the fake are plain functions with exactly the schema's parameters, written
+    out here from it (as ``dataclasses`` writes ``__init__``): Python binds and defaults a
+    call's arguments, names a missing or unknown one, and the body is one BoundOp call, its
+    flags (op, is_neox, kv_cache_dtype, is_nope_first or True, backend) then its tensors in
+    BoundOp's order. ``roles`` names the op's own input, output and output scale (BoundOp's
+    ``nope``, ``out``, ``out_scale``; None where the op has none).
     """
 
     def __init__(self, public, op: int, writes: tuple[str, ...], roles: tuple[str | None, str | None, str | None]):
@@ -262,17 +263,26 @@ class OpCall:
             else:
                 positional.append(prm.replace(kind=prm.POSITIONAL_OR_KEYWORD))
         self.signature = inspect.Signature(positional + keyword, return_annotation=None)
-        names = [prm.name for prm in positional]
-        self._count = len(names)
-        # Trailing defaults, filled in fast for a positional call that leaves them out (the dispatcher
-        # passes what the caller gave; eager callers too).
-        self._required = sum(prm.default is prm.empty for prm in positional)
-        self._defaults = tuple(prm.default for prm in positional)
-        # Indices into the arguments with a None appended (position len(names)): an absent role reads it.
-        index = {name: i for i, name in enumerate(names)}
-        self._flags = operator.itemgetter(index["is_neox"], index["kv_cache_dtype"], index.get("is_nope_first", -1),
-                                          index["backend"])  # fmt: skip
-        self._tensors = operator.itemgetter(*(index[n] if n else len(names) for n in (*_COMMON, *roles)))
+        names = set(self.signature.parameters)
+        unused = names - {*_FLAGS, *_COMMON, *roles, "key_start"}
+        if unused:  # a parameter the op would take and never pass on
+            raise TypeError(f"{public.__name__}: parameters {sorted(unused)} reach no BoundOp argument")
+        nope_first = "is_nope_first" if "is_nope_first" in names else "True"
+        key_start = "key_start" if "key_start" in names else "0"
+        call = (f"bound_op({op}, is_neox, kv_cache_dtype, {nope_first}, backend)"
+                f"({', '.join((*_COMMON, *(r or 'None' for r in roles), key_start))})")  # fmt: skip
+        self.kernel = self._function(call)
+        self.fake = self._function(call.replace(")(", ").validate(", 1))
+
+    def _function(self, body: str):
+        """A function with the schema's parameters (no annotations) whose body is ``body``; its globals
+        are this module's, so ``bound_op`` is looked up at each call."""
+        plain = self.signature.replace(parameters=[prm.replace(annotation=prm.empty)
+                                                   for prm in self.signature.parameters.values()],
+                                       return_annotation=inspect.Signature.empty)  # fmt: skip
+        namespace: dict = {}
+        exec(f"def {self.public.__name__}{plain}:\n    {body}\n", globals(), namespace)  # noqa: S102
+        return namespace[self.public.__name__]
 
     def schema(self) -> str:
         def prototype(*args, **kwargs) -> None: ...
@@ -280,38 +290,14 @@ class OpCall:
         prototype.__signature__ = self.signature
         return torch.library.infer_schema(prototype, mutates_args=self.writes)
 
-    def bind(self, args: tuple, kwargs: dict) -> tuple[BoundOp, tuple]:
-        """The BoundOp for a call's flags and its arguments in BoundOp's order."""
-        if (kwargs and kwargs.keys() != {"key_start"}) or not self._required <= len(args) <= self._count:
-            # Arguments by name, or too few or too many: Python's own binding (its TypeError names them).
-            call = self.signature.bind(*args, **kwargs)
-            call.apply_defaults()
-            args, kwargs = call.args, call.kwargs
-        elif len(args) < self._count:
-            args = args + self._defaults[len(args) :]
-        full = args + _ABSENT
-        is_neox, kv_cache_dtype, is_nope_first, backend = self._flags(full)
-        is_nope_first = True if is_nope_first is None else is_nope_first  # index -1: ops without the flag
-        key_start = kwargs.get("key_start", 0) if kwargs else 0
-        return bound_op(self.op, is_neox, kv_cache_dtype, is_nope_first, backend), self._tensors(full) + (key_start,)
-
-    def kernel(self, *args, **kwargs) -> None:
-        op, arguments = self.bind(args, kwargs)
-        op(*arguments)
-
-    def fake(self, *args, **kwargs) -> None:
-        """The body's validation and backend-name check, without running anything."""
-        op, arguments = self.bind(args, kwargs)
-        op.validate(*arguments)
-
 
 OP_CALLS = {
     "mla_rope_cache_write": OpCall(mla_rope_cache_write, OP_ROPE_CACHE, ("q_pe", "k_pe", "kv_cache"),
                                    (None, None, None)),
     "mla_decode_rope_cache_write": OpCall(mla_decode_rope_cache_write, OP_DECODE, ("kv_cache", "q_out"),
                                           ("ql_nope", "q_out", "q_scale")),
-    "mla_prefill_rope_cache_write": OpCall(mla_prefill_rope_cache_write, OP_PREFILL, ("q_pe", "k_pe", "kv_cache", "k_out"),
-                                           ("k_nope", "k_out", None)),
+    "mla_prefill_rope_cache_write": OpCall(mla_prefill_rope_cache_write, OP_PREFILL,
+                                           ("q_pe", "k_pe", "kv_cache", "k_out"), ("k_nope", "k_out", None)),
 }  # fmt: skip
 for _name, _call in OP_CALLS.items():
     _LIB.define(_name + _call.schema())

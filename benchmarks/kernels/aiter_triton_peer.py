@@ -119,6 +119,9 @@ def mla_decode(op: AiterTritonOp, *args, **kwargs) -> torch.Tensor:
     call = inspect.signature(mla_decode_rope_cache_write).bind(*args, **kwargs)
     call.apply_defaults()
     a = call.arguments
+    if a["kv_cache_dtype"] != "auto" or a["q_scale"] is not None or not a["is_nope_first"]:
+        raise ValueError("AITER's Triton op takes the cache's format from its dtype, a bf16 query and the nope "
+                         "part first: kv_cache_dtype='auto', q_scale=None, is_nope_first=True")  # fmt: skip
     positions, ql_nope, q_pe, k_pe, kv_c = a["positions"], a["ql_nope"], a["q_pe"], a["k_pe"], a["kv_c"]
     cos_sin_cache, is_neox, slot_mapping, kv_cache, q_out = (a["cos_sin_cache"], a["is_neox"], a["slot_mapping"],
                                                              a["kv_cache"], a["q_out"])  # fmt: skip
