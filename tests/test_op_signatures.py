@@ -78,7 +78,8 @@ def test_a_call_maps_onto_its_boundop_by_name(monkeypatch):
             calls.append((self.flags, args, "validate"))
 
     monkeypatch.setattr(ops, "bound_op", Recorder)
-    t = [torch.zeros(1) for _ in range(9)]
+    # Distinct values: tuples of tensors compare by value, and each argument must land in its place.
+    t = [torch.full((1,), float(i)) for i in range(9)]
     decode = ops.OP_CALLS["mla_decode_rope_cache_write"]
     # positions, ql_nope, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, q_out, ...
     full = (t[0], t[1], t[2], t[3], t[4], t[5], True, t[6], t[7], t[8], "fp8", t[4], t[5], False, "torch")
