@@ -179,12 +179,6 @@ def metrics_text(port: int, timeout_s: float = 5.0) -> str | None:
         return None
 
 
-def prefix_cache_counters(port: int, timeout_s: float = 5.0) -> dict[str, float] | None:
-    """vLLM's prefix-cache counters from /metrics (tokens queried and hit, summed over engines)."""
-    text = metrics_text(port, timeout_s)
-    return None if text is None else parse_prefix_cache_counters(text)
-
-
 def parse_prefix_cache_counters(metrics_text: str) -> dict[str, float]:
     totals = {"queries": 0.0, "hits": 0.0}
     for line in metrics_text.splitlines():

@@ -212,9 +212,9 @@ def test_a_server_starts_answers_and_stops_with_its_group(tmp_path, monkeypatch)
     try:
         assert server.wait_healthy(30) >= 1.5
         assert server.command[-2:] == ["--load-format", "dummy"] and "--port" in server.command
-        from benchmarks.serving.server import prefix_cache_counters
+        from benchmarks.serving.server import metrics_text
 
-        assert prefix_cache_counters(server.port) == {"queries": 10.0, "hits": 4.0}
+        assert parse_prefix_cache_counters(metrics_text(server.port)) == {"queries": 10.0, "hits": 4.0}
         assert confirm_side(parse_side("off"), server.log())["fused_lines"] == []
     finally:
         server.stop(grace_s=5)
