@@ -799,8 +799,8 @@ def host_comparison(on: list, off: list) -> dict:
 
 def _host_split(side: str, h: dict) -> dict | None:
     """One TTFT request's execute_model host time (ms) split by the --host-regions timers:
-    ``common``, vLLM's own forward_mha code (the same on both sides: forward_mha without the
-    plugin's op 3, or without vLLM's key concat); ``attention``, the rest of the attention region
+    ``common``, vLLM's own forward_mha code (the same on both sides: forward_mha without the key,
+    which the plugin's op 3 builds where it is switched on, else vLLM's concat); ``attention``, the rest of the attention region
     (on: the plugin's forward_fused around it; off: forward_impl around it plus vLLM's cache
     write); ``pieces``, the compiled pieces; ``rest``, all else (the split graph, op wrappers,
     input preparation)."""
@@ -812,7 +812,9 @@ def _host_split(side: str, h: dict) -> dict | None:
         return g.get(name, (0, 0.0))[1]
 
     if side == "on":
-        common = ms("forward_mha") - ms("plugin prefill key (op 3)")
+        # Op 3's region holds the concat of any chunked context: one of the two, never both.
+        key = ms("plugin prefill key (op 3)") if "plugin prefill key (op 3)" in g else ms("vLLM key concat")
+        common = ms("forward_mha") - key
         attention = ms("plugin forward_fused") - common
     else:
         common = ms("forward_mha") - ms("vLLM key concat")

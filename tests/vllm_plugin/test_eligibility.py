@@ -353,12 +353,13 @@ def _prefill_step(q_dtype, indptr=None):
                            fp8_prefill_qo_indptr=indptr)  # fmt: skip
 
 
-def test_fused_layer_asks_its_bound_step_rule_and_logs_each_reason_once(vllm_cpu, plugin_on, caplog):
+def test_fused_layer_asks_its_bound_step_rule_and_logs_each_reason_once(vllm_cpu, plugin_on, caplog, monkeypatch):
     """A fused layer's per-step choice of the prefill key comes from the rule bound when it was built:
     an fp8 prefill query keeps vLLM's key (logged once per layer and reason, not per step), a bf16 one
     gets op 3."""
     from vllm.platforms import current_platform
 
+    monkeypatch.setenv("VLLM_MLA_FUSION_PREFILL_KEY", "1")
     attn = H.mla_layer(vllm_cpu.build_attention())[1]
     assert attn._prefill_key_fused and attn._prefill_key_step_rule is not None
     with caplog.at_level(logging.DEBUG, logger=PLUGIN_LOGGER):
@@ -368,8 +369,13 @@ def test_fused_layer_asks_its_bound_step_rule_and_logs_each_reason_once(vllm_cpu
     assert len(logged) == 1 and "reads q" in logged[0] and attn.layer_name in logged[0], logged
 
 
-def test_a_layer_built_with_the_key_unfused_binds_no_rule_and_never_fuses(vllm_cpu, plugin_on, monkeypatch):
-    monkeypatch.setenv("VLLM_MLA_FUSION_PREFILL_KEY", "0")
+@pytest.mark.parametrize("setting", [None, "0", "off"], ids=["default", "0", "off"])
+def test_a_layer_built_with_the_key_unfused_binds_no_rule_and_never_fuses(vllm_cpu, plugin_on, monkeypatch, setting):
+    """Op 3 is opt-in (issue 40): unset, or set off, the layer's prefill rows keep vLLM's key."""
+    if setting is None:
+        monkeypatch.delenv("VLLM_MLA_FUSION_PREFILL_KEY", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_MLA_FUSION_PREFILL_KEY", setting)
     attn = H.mla_layer(vllm_cpu.build_attention())[1]
     assert not attn._prefill_key_fused and attn._prefill_key_step_rule is None
     assert not attn._fuse_prefill_key(_prefill_step(torch.bfloat16))
@@ -382,6 +388,7 @@ def test_promote_binds_the_rule_of_the_layers_own_impl(vllm_cpu, plugin_on, monk
     does not."""
     from vllm_mla_fusion.vllm_plugin import eligibility
 
+    monkeypatch.setenv("VLLM_MLA_FUSION_PREFILL_KEY", "1")
     before = H.mla_layer(vllm_cpu.build_attention())[1]
     impl_cls = type(before.impl)
     monkeypatch.setattr(eligibility, "_aiter_mla_impl", lambda: impl_cls)

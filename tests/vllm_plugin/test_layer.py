@@ -153,8 +153,8 @@ def layer_pair(vllm_cpu, plugin_off, monkeypatch, request):
     state = vllm_cpu.finish_weights(off, seed=0)
     if mode == "rope_cache":
         monkeypatch.setenv("VLLM_MLA_FUSION_DECODE", "0")
-    elif not prefill_key:
-        monkeypatch.setenv("VLLM_MLA_FUSION_PREFILL_KEY", "0")
+    elif prefill_key:
+        monkeypatch.setenv("VLLM_MLA_FUSION_PREFILL_KEY", "1")  # op 3 is opt-in; the others test the default
     graph_rope = mode == "decode+graph-rope"
     if graph_rope:
         from vllm.config import CUDAGraphMode

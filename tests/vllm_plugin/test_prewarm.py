@@ -23,6 +23,7 @@ def triton_layer(vllm_cpu, plugin_on, monkeypatch):
     from vllm_mla_fusion.vllm_plugin import prewarm
 
     monkeypatch.setenv("VLLM_MLA_FUSION_BACKEND", "triton")
+    monkeypatch.setenv("VLLM_MLA_FUSION_PREFILL_KEY", "1")  # op 3 (opt-in) too: all three ops compiled ahead
     monkeypatch.setattr(prewarm, "_DONE", set())
     attn = vllm_cpu.build_attention()
     vllm_cpu.finish_weights(attn, seed=4)
@@ -89,15 +90,15 @@ def test_prewarm_switch(vllm_cpu, plugin_on, monkeypatch):
 
 
 def test_only_the_ops_a_layer_can_launch_are_compiled(vllm_cpu, plugin_on, monkeypatch):
-    """A backend that takes (ql_nope, q_pe) as is never runs op 2; with VLLM_MLA_FUSION_PREFILL_KEY=0
-    op 3 never runs either: neither is compiled."""
+    """A backend that takes (ql_nope, q_pe) as is never runs op 2; without VLLM_MLA_FUSION_PREFILL_KEY=1
+    (op 3 is opt-in) op 3 never runs either: neither is compiled."""
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
 
     from vllm_mla_fusion.backends import triton as tb
     from vllm_mla_fusion.vllm_plugin import eligibility, prewarm
 
     monkeypatch.setenv("VLLM_MLA_FUSION_BACKEND", "triton")
-    monkeypatch.setenv("VLLM_MLA_FUSION_PREFILL_KEY", "0")
+    monkeypatch.delenv("VLLM_MLA_FUSION_PREFILL_KEY", raising=False)
     monkeypatch.setattr(prewarm, "_DONE", set())
     monkeypatch.setattr(eligibility, "_DECODE_PAIR_BACKENDS", {(CPUMLAImpl.__module__, CPUMLAImpl.__qualname__)})
     attn = vllm_cpu.build_attention()

@@ -277,6 +277,21 @@ def check_census(on: dict, off: dict, num_layers: int, gpu: bool = True) -> str:
     return "\n".join(["step (on/off)"] + lines)
 
 
+def check_host_syncs(on: dict, off: dict) -> str:
+    """vLLM's own sync check (engine_worker.py, ``VLLM_GPU_SYNC_CHECK=warn``; armed on CUDA only)
+    over the probe's steps: no GPU<->CPU sync warned about in the plugin's code, and no more syncs
+    with the plugin than without (vLLM's own, if any, happen on both sides)."""
+    if on.get("sync_check") is None or off.get("sync_check") is None:
+        raise AssertionError("the engines ran without vLLM's sync check (VLLM_GPU_SYNC_CHECK)")
+    ours = [w for w in on["host_syncs"] if "vllm_mla_fusion" in w]
+    assert not ours, f"the plugin's code synchronized with the GPU inside a step: {ours[:3]}"
+    assert len(on["host_syncs"]) <= len(off["host_syncs"]), (
+        f"{len(on['host_syncs'])} sync warnings with the plugin, {len(off['host_syncs'])} without: "
+        f"{on['host_syncs'][:3]}"
+    )
+    return f"sync warnings {len(on['host_syncs'])} on / {len(off['host_syncs'])} off (mode {on['sync_check']})"
+
+
 def kernel_reading(on: dict, off: dict, kind: str = "decode") -> str:
     """The on/off kernel lists of the first closed step of ``kind``, side by side."""
     a = next((s for s in on["census"]["steps"] if s["closed"] and s["kind"] == kind), None)

@@ -44,12 +44,33 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 # Set before vLLM is imported (its platform and engine mode are chosen then).
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+# vLLM's own host-sync check (vllm/utils/gpu_sync_debug.py; CUDA only), in its "warn" mode: once the
+# engine has warmed up, a GPU<->CPU sync inside execute_model or sample_tokens (torch's synchronizing
+# calls, and non_blocking copies that would silently block) is warned about, and the warnings reach
+# _count_host_syncs below. "warn", not "error": a sync of vLLM's own on the off side is then a
+# reading to compare with, not a failed engine.
+os.environ.setdefault("VLLM_GPU_SYNC_CHECK", "warn")
+HOST_SYNCS: list[str] = []  # the warnings of the engine in progress (run_engine resets it)
+_SYNC_WORDS = ("called a synchronizing CUDA operation", "may be silently synchronous")
+_show_warning = warnings.showwarning
+
+
+def _count_host_syncs(message, category, filename, lineno, file=None, line=None):
+    """``warnings.showwarning`` as vLLM's sync check finds it: records each sync warning, shows all."""
+    text = str(message)
+    if any(w in text for w in _SYNC_WORDS):
+        HOST_SYNCS.append(f"{filename}:{lineno}: {text[:160]}")
+    return _show_warning(message, category, filename, lineno, file, line)
+
+
+warnings.showwarning = _count_host_syncs
 
 from benchmarks.e2e import vllm_engine as E  # noqa: E402 - imports no vLLM
 
@@ -188,6 +209,8 @@ class Runner:
                 else:
                     os.environ[k] = v
         rec["build_s"] = time.perf_counter() - t
+        HOST_SYNCS.clear()  # vLLM arms its sync check once the engine has warmed up, inside LLM(...)
+        rec["sync_check"] = os.environ.get("VLLM_GPU_SYNC_CHECK")
         try:
             rec["mla_layers_redrawn"] = llm.apply_model(redraw_weights)[0]
             rec["facts"] = {**llm.apply_model(E.mla_facts)[0], **llm.collective_rpc(E.runner_facts)[0]}
@@ -202,6 +225,7 @@ class Runner:
             rec["census_paths"] = llm.collective_rpc(E.read_counters)[0]
             rec["jit_after_warmup"] = llm.collective_rpc(E.read_jit_log)[0]
             rec["probe_s"] = time.perf_counter() - t
+            rec["host_syncs"] = list(HOST_SYNCS)
         finally:
             rec["shutdown_s"] = E.shutdown(llm)
             del llm

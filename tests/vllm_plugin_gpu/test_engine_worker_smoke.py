@@ -102,3 +102,22 @@ def test_jit_hook_installed(pair):
     for rec in pair:
         assert rec["jit_hook"] is has_triton
         assert rec["jit_after_warmup"] == []  # the CPU path runs the torch backend: nothing to compile
+
+
+def test_host_sync_check_is_recorded_and_its_check_fails_on_an_added_sync(pair):
+    """vLLM's sync check runs on every engine (armed on CUDA only: nothing recorded here); its check
+    names a sync in the plugin's code, an extra sync on the plugin side, and a run without it."""
+    on, off = pair
+    for rec in pair:
+        assert rec["sync_check"] == "warn" and rec["host_syncs"] == []
+    assert "0 on / 0 off" in checks.check_host_syncs(on, off)
+    warning = "called a synchronizing CUDA operation"
+    ours = {**on, "host_syncs": [f"/site/vllm_mla_fusion/vllm_plugin/attention.py:300: {warning}"]}
+    with pytest.raises(AssertionError, match="the plugin's code synchronized"):
+        checks.check_host_syncs(ours, off)
+    extra = {**on, "host_syncs": [f"/site/vllm/v1/worker/gpu_model_runner.py:10: {warning}"]}
+    with pytest.raises(AssertionError, match="1 sync warnings with the plugin, 0 without"):
+        checks.check_host_syncs(extra, off)
+    assert "1 on / 1 off" in checks.check_host_syncs(extra, extra)
+    with pytest.raises(AssertionError, match="without vLLM's sync check"):
+        checks.check_host_syncs({**on, "sync_check": None}, off)

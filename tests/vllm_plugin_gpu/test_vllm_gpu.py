@@ -16,9 +16,10 @@ not run within the budget is skipped with that reason.
 | test_cuda_graph_mode | eager: no graph; compiled: the CUDA-graph mode vLLM resolved has FULL decode graphs, and decode steps replayed them |
 | test_attention_paths | the prefill path ran, also with chunked context from the cache; multi-token batches took the decode path where the backend allows; identical on/off |
 | test_bf16_compiled_bit_identical | compiled, bf16: greedy tokens, their logprobs and teacher-forced logprobs equal bit for bit |
-| test_switch_cases_compiled_bit_identical | the same for cases with a plugin switch (FLASH_ATTN_MLA with VLLM_MLA_FUSION_GRAPH_ROPE=1) |
+| test_switch_cases_compiled_bit_identical | the same for cases with a plugin switch (FLASH_ATTN_MLA with VLLM_MLA_FUSION_GRAPH_ROPE=1; FLASH_ATTN_MLA and FLASHMLA with the opt-in fused prefill key, VLLM_MLA_FUSION_PREFILL_KEY=1) |
 | test_bf16_eager_within_vllms_own_noise | eager: teacher-forced logprobs on vs off within 1.5x vLLM's own eager-vs-compiled difference |
 | test_fp8_error_no_larger_than_vllms | fp8 cache (FLASHMLA: fp8 query; TRITON_MLA: bf16 query): mean error vs the bf16-cache engine at most 1.1x vLLM's own + 1e-3 |
+| test_no_host_sync_added | vLLM's own sync check (`VLLM_GPU_SYNC_CHECK=warn`, armed after warm-up) over the probe's steps: no GPU<->CPU sync in the plugin's code, no more than without the plugin (issue 40) |
 | test_launch_census | per profiled step: our kernel once per layer (twice in mixed steps where op 2 assembles the decode query), none of vLLM's RoPE / cache-write / query-concat kernels |
 """
 
@@ -123,6 +124,7 @@ def _report(run: Run) -> str:
         if c.kv_cache_dtype != "auto" and ok(W.case(c.backend, True).name, "off"):
             attempt("fp8 error", checks.check_fp8, on, off, run.engines[(W.case(c.backend, True).name, "off")])
         lines.append(f"  graph kernels visible to the profiler: {checks.graph_kernels_visible(on)}")
+        attempt("host syncs", checks.check_host_syncs, on, off)
         attempt("census", checks.check_census, on, off, W.NUM_LAYERS)
         for kind in ("decode", "prefill", "mixed"):
             lines.append(checks.kernel_reading(on, off, kind))
@@ -230,6 +232,11 @@ def test_fp8_error_no_larger_than_vllms(run, backend, fp8_query):
     for rec in (on, off):
         assert rec["facts"]["layers"][0]["fp8_query"] is fp8_query, rec["facts"]["layers"][0]
     print(checks.check_fp8(on, off, ref))
+
+
+@pytest.mark.parametrize("name", list(W.ALL_CASES))
+def test_no_host_sync_added(run, name):
+    print(checks.check_host_syncs(*run.pair(name)))
 
 
 @pytest.mark.parametrize("name", list(W.ALL_CASES))

@@ -56,6 +56,7 @@ CPU_MODEL_CONFIG = {**MODEL_CONFIG, "hidden_size": 256, "num_attention_heads": 4
 
 
 GRAPH_ROPE = (("VLLM_MLA_FUSION_GRAPH_ROPE", "1"),)  # the plugin side's switch of a graph-rope case
+FUSED_PREFILL_KEY = (("VLLM_MLA_FUSION_PREFILL_KEY", "1"),)  # op 3, opt-in since issue 40
 DECODE_CAPTURE = (1, 2, 4, 8)  # graphs up to max_num_seqs: every decode-only step replays a FULL graph
 # A graph-rope case captures piecewise graphs up to its token budget, so that its prefill and
 # mixed steps replay them (with only DECODE_CAPTURE, every step longer than 8 tokens runs eager
@@ -98,14 +99,17 @@ def case(backend: str, compiled: bool, kv_cache_dtype: str = "auto", plugin_env:
 # One worker process per backend, run side by side on the GPU (an engine start is mostly
 # host work: compile, capture). Within a worker, in priority order: a worker that runs out
 # of time drops the last cases. The eager noise bound needs the compiled bf16 case of the
-# same backend, the fp8 comparison its compiled bf16 case (the reference). The graph-rope case
+# same backend, the fp8 comparison its compiled bf16 case (the reference). The opt-in fused
+# prefill key (op 3, VLLM_MLA_FUSION_PREFILL_KEY=1) runs on FLASH_ATTN_MLA, where a mixed step's
+# decode rows join its launch (key_start), and on FLASHMLA, beside op 2. The graph-rope case
 # (op 1 inside piecewise graphs, VLLM_MLA_FUSION_GRAPH_ROPE=1) goes last: its prefill and mixed
 # steps (at most the 1024-token budget, PIECEWISE_CAPTURE) replay piecewise graphs with the fused
 # op captured in them.
 GROUPS = {
-    "FLASH_ATTN_MLA": [case("FLASH_ATTN_MLA", True), case("FLASH_ATTN_MLA", False),
-                       case("FLASH_ATTN_MLA", True, plugin_env=GRAPH_ROPE)],
-    "FLASHMLA": [case("FLASHMLA", True), case("FLASHMLA", True, "fp8"), case("FLASHMLA", False)],
+    "FLASH_ATTN_MLA": [case("FLASH_ATTN_MLA", True), case("FLASH_ATTN_MLA", True, plugin_env=FUSED_PREFILL_KEY),
+                       case("FLASH_ATTN_MLA", False), case("FLASH_ATTN_MLA", True, plugin_env=GRAPH_ROPE)],
+    "FLASHMLA": [case("FLASHMLA", True), case("FLASHMLA", True, "fp8"), case("FLASHMLA", False),
+                 case("FLASHMLA", True, plugin_env=FUSED_PREFILL_KEY)],
     "TRITON_MLA": [case("TRITON_MLA", True), case("TRITON_MLA", True, "fp8"), case("TRITON_MLA", False)],
 }
 CPU_GROUPS = {"CPU_MLA": [case("CPU_MLA", False)]}

@@ -12,8 +12,9 @@ Switches (environment, read when ``register`` runs):
 - ``VLLM_MLA_FUSION=0``: register nothing; vLLM runs unmodified.
 - ``VLLM_MLA_FUSION_DECODE=0``: keep the fused RoPE + cache write, but leave
   the decode query assembly to vLLM (one fused launch for the whole batch).
-- ``VLLM_MLA_FUSION_PREFILL_KEY=0``: prefill rows get the fused RoPE + cache
-  write, but vLLM builds their attention key (``_concat_k_nope_k_pe``).
+- ``VLLM_MLA_FUSION_PREFILL_KEY=1`` (opt-in): the prefill rows' attention key is
+  built in the fused launch (op 3) instead of by vLLM's ``_concat_k_nope_k_pe``
+  after the fused RoPE + cache write (docs/vllm.md says why it is off by default).
 - ``VLLM_MLA_FUSION_GRAPH_ROPE=1`` (opt-in): in piecewise-graph steps, the fused
   RoPE + cache write runs inside the graph piece, captured with it (eligibility.py).
 - ``VLLM_MLA_FUSION_PREWARM=0``: do not compile the Triton kernel's variants

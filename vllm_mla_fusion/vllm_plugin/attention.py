@@ -15,7 +15,10 @@ In vLLM 0.33 ``MLAAttention.forward_impl`` splits a step's tokens (decodes first
   on the decode rows before ``forward_impl``, and the pair passes unchanged.
 - prefill tokens: ``forward_mha`` projects ``kv_b_proj(kv_c_normed)`` into
   ``(k_nope, v)`` and builds the attention key with ``_concat_k_nope_k_pe``
-  before anything reads ``q``. A fused layer turns that first call into
+  before anything reads ``q``. By default the prefill rows get
+  ``mla_fusion::mla_rope_cache_write`` before ``forward_impl`` and vLLM builds
+  the key. With ``VLLM_MLA_FUSION_PREFILL_KEY=1`` (opt-in: docs/vllm.md says
+  why) a fused layer turns that first call into
   ``mla_fusion::mla_prefill_rope_cache_write``: q and k_pe rotated, cache rows
   written and the key built, in one launch. Later calls (chunked-prefill
   context, whose k_pe comes rotated from the cache) stay vLLM's. Where ``q``
@@ -23,14 +26,17 @@ In vLLM 0.33 ``MLAAttention.forward_impl`` splits a step's tokens (decodes first
   the backend builds the key another way, the prefill tokens instead get
   ``mla_fusion::mla_rope_cache_write`` before ``forward_impl`` and vLLM's own
   concat (eligibility.py says which, per backend and step).
-- mixed steps on backends that take the decode pair as it is: vLLM's
-  forward_impl runs ``forward_mha`` before ``forward_mqa``, so the prefill op's
-  launch also takes the decode rows (``key_start = num_decode_tokens``: rotated
-  and cached like op 1, no key row), and nothing runs before forward_impl.
+- mixed steps on backends that take the decode pair as it is: with op 3,
+  vLLM's forward_impl runs ``forward_mha`` before ``forward_mqa``, so the
+  prefill op's launch also takes the decode rows (``key_start =
+  num_decode_tokens``: rotated and cached like op 1, no key row), and nothing
+  runs before forward_impl; without it, one op 1 launch takes the decode and
+  prefill rows before forward_impl.
 
-Launches per layer and step: decode-only 1, prefill-only 1, mixed 1 (2 where
-the decode query is assembled by op 2, whose input ``ql_nope`` only exists once
-``forward_mqa`` runs).
+Launches of ours per layer and step: decode-only 1, prefill-only 1, mixed 1 (2
+where the decode query is assembled by op 2, whose input ``ql_nope`` only
+exists once ``forward_mqa`` runs); vLLM's key concat adds its copies where op 3
+does not run.
 
 With ``graph_rope`` (eligibility.graph_rope_reason), a step that captures or
 replays piecewise CUDA graphs has its op 1 inside the graph piece before the

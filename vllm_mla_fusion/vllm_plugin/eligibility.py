@@ -192,8 +192,10 @@ def prefill_key_reason(impl: MLAAttentionImpl) -> str | None:
     checked per step (prefill_key_step_rule). AMX_MLA and any other backend
     with a forward_mha of its own build the key their own way.
     """
-    if not env_enabled(ENV_PREFILL_KEY):
-        return f"{ENV_PREFILL_KEY}=0"
+    if not env_opted_in(ENV_PREFILL_KEY):
+        # Opt-in: in the serving configuration where the plugin measured slower (docs/performance.md,
+        # "Issue 40's configuration"), the server without op 3 read at parity, for a cause not yet known.
+        return f"{ENV_PREFILL_KEY} is not 1 (the fused prefill key is opt-in)"
     cls = type(impl)
     known = [MLACommonBaseImpl.forward_mha] + ([aiter.forward_mha] if (aiter := _aiter_mla_impl()) else [])
     if getattr(cls, "forward_mha", None) not in known:
