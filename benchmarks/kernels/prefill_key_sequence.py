@@ -22,6 +22,7 @@ only within one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.provenance import source_facts
+from vllm_mla_fusion.backends import triton as triton_backend
 from vllm_mla_fusion.binding import BoundOps
 from vllm_mla_fusion.opcodes import OP_PREFILL, OP_ROPE_CACHE
 
@@ -40,18 +42,33 @@ Q_LORA = 1536  # kv_c and k_pe are column slices of the fused q/kv down-projecti
 MAX_POS, BLOCK = 8192, 64
 
 
-def _bound_key_ops(backend: str, pdl: bool):
-    """(op 3, op 1) bound as the plugin binds them; PDL as ``pdl`` says (read when bound)."""
+@contextlib.contextmanager
+def _pdl(on: bool):
+    """``VLLM_MLA_FUSION_PDL`` as ``on`` says while the block runs: the Triton backend reads it when
+    a launch is bound (an op's first call), through a per-process cache that is cleared here."""
     saved = os.environ.get("VLLM_MLA_FUSION_PDL")
-    os.environ["VLLM_MLA_FUSION_PDL"] = "1" if pdl else "0"
+    os.environ["VLLM_MLA_FUSION_PDL"] = "1" if on else "0"
+    triton_backend._pdl_ok.cache_clear()
     try:
-        ops = BoundOps(backend, False, early_index_loads=True)
-        return ops.get(OP_PREFILL, "auto", False), ops.get(OP_ROPE_CACHE, "auto", False)
+        yield
     finally:
         if saved is None:
             os.environ.pop("VLLM_MLA_FUSION_PDL")
         else:
             os.environ["VLLM_MLA_FUSION_PDL"] = saved
+        triton_backend._pdl_ok.cache_clear()
+
+
+def _bound_key_ops(backend: str):
+    """(op 3, op 1) bound as the plugin binds them (the early-index-loads promise); each binds its
+    launch on its first call."""
+    ops = BoundOps(backend, False, early_index_loads=True)
+    return ops.get(OP_PREFILL, "auto", False), ops.get(OP_ROPE_CACHE, "auto", False)
+
+
+def _launched_with_pdl(op) -> list:
+    """Whether each launch ``op`` has bound uses programmatic dependent launch (Triton's sites)."""
+    return [getattr(site, "pdl", None) for site, _ in op.sites.values()]
 
 
 def _step_tensors(decodes: int, seqs: int, prompt_len: int, layers: int, device, gen) -> dict:
@@ -188,15 +205,17 @@ def run(args) -> dict:
     for decodes, seqs, prompt_len in shapes:
         x = _step_tensors(decodes, seqs, prompt_len, args.layers, device, gen)
         for pdl in (True, False):
-            ops = _bound_key_ops(backend, pdl)
-            diff = check_variants_agree(x, decodes, seqs, prompt_len, *ops)
-            variants, alone = _layers(x, decodes, seqs, prompt_len, *ops)
-            row = {"decodes": decodes, "prompts": seqs, "prompt_len": prompt_len, "pdl": pdl,
-                   "max_output_difference": diff}
-            for name, layer in variants.items():
-                row[name] = _time_step(layer, args.layers, args.steps, device)
-            for name, call in alone.items():
-                row[f"{name} alone us"] = _time_alone(call, args.calls, device)
+            with _pdl(pdl):
+                ops = _bound_key_ops(backend)
+                diff = check_variants_agree(x, decodes, seqs, prompt_len, *ops)  # binds the launches
+                variants, alone = _layers(x, decodes, seqs, prompt_len, *ops)
+                row = {"decodes": decodes, "prompts": seqs, "prompt_len": prompt_len, "pdl": pdl,
+                       "launched_with_pdl": _launched_with_pdl(ops[0]) + _launched_with_pdl(ops[1]),
+                       "max_output_difference": diff}
+                for name, layer in variants.items():
+                    row[name] = _time_step(layer, args.layers, args.steps, device)
+                for name, call in alone.items():
+                    row[f"{name} alone us"] = _time_alone(call, args.calls, device)
             rows.append(row)
             print(json.dumps(row), flush=True)
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

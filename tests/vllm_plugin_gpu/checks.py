@@ -17,6 +17,7 @@ VLLM_CLASS = "MultiHeadLatentAttentionWrapper"
 # Kernels of vLLM's replaced chain that nothing else in the model launches.
 MLA_ONLY_PATTERNS = ("rotary_embedding", "concat_and_cache_mla", "concat_mla_q")
 CAT = "CatArrayBatchedCopy"
+PREFILL_KEY_OP = "mla_fusion::mla_prefill_rope_cache_write"  # op 3, as the profiler names its calls
 # CPU ops of vLLM's replaced chain (the CPU smoke run has no GPU kernels).
 VLLM_CACHE_OP = "vllm::unified_mla_kv_cache_update"
 
@@ -88,6 +89,10 @@ def check_sides(on: dict, off: dict, num_layers: int) -> str:
         for l in rec["facts"]["layers"]:
             assert l["backend"] == case["backend"], f"asked for {case['backend']}, vLLM built {l['backend']}"
             assert l["kv_cache_dtype"] == case["kv_cache_dtype"], (l["kv_cache_dtype"], case["kv_cache_dtype"])
+    # The fused prefill key (op 3) is opt-in: on exactly where the case switched it on.
+    want_key = ["VLLM_MLA_FUSION_PREFILL_KEY", "1"] in [list(kv) for kv in case["plugin_env"]]
+    bad = [l["prefix"] for l in lay_on if bool(l["prefill_key_fused"]) != want_key]
+    assert not bad, f"layers whose prefill key is {'not ' if want_key else ''}fused (op 3), against the case: {bad}"
     l0 = lay_on[0]
     return (f"on: {num_layers} x {PLUGIN_CLASS} mode decode; off: {num_layers} x {VLLM_CLASS}; backend {l0['backend']} "
             f"({l0['impl']}), cache {l0['kv_cache_dtype']} stored as {l0['cache_dtype']} {l0['cache_shape']}, "
@@ -214,8 +219,10 @@ def decode_pair_taken(rec: dict) -> bool:
 def check_census(on: dict, off: dict, num_layers: int, gpu: bool = True) -> str:
     """Per engine step, plugin on: our kernel once per MLA layer for decode-only and prefill-only
     steps, and for mixed steps (decode-path and prefill-path tokens) where the backend takes the
-    decode pair as it is (the prefill op's launch serves the decode rows too); elsewhere twice in
-    mixed steps (op 2 assembles the decode query, one such step at least). None of vLLM's RoPE,
+    decode pair as it is (one launch serves the decode and prefill rows: op 1, or op 3 where the
+    case opted in); elsewhere twice in mixed steps (op 2 assembles the decode query, one such step
+    at least). Op 3 once per layer in each step with prefill rows where the layers were built
+    with it, never elsewhere. None of vLLM's RoPE,
     cache-write or query-concat kernels (and no more of anything chain-like than without the
     plugin); plugin off: none of ours, vLLM's cache write once per layer. Steps are compared one
     to one (in-process engines schedule identically)."""
@@ -252,6 +259,12 @@ def check_census(on: dict, off: dict, num_layers: int, gpu: bool = True) -> str:
         else:
             assert b["cpu_ops"].get(VLLM_CACHE_OP, 0) == L, f"{where}: off, {VLLM_CACHE_OP} {b['cpu_ops']}"
             assert a["cpu_ops"].get(VLLM_CACHE_OP, 0) == 0, f"{where}: on, {VLLM_CACHE_OP} ran {a['cpu_ops']}"
+        if a["kind"] in ("prefill", "mixed") and "cpu_ops" in a:
+            # Prefill rows run outside CUDA graphs, so the profiler names each op call: op 3 builds
+            # every layer's key where the layer was built with it, never elsewhere.
+            n_key = a["cpu_ops"].get(PREFILL_KEY_OP, 0)
+            want = L if on["facts"]["layers"][0]["prefill_key_fused"] else 0
+            assert n_key == want, f"{where}: {PREFILL_KEY_OP} ran {n_key} times, expected {want}"
         if a["kind"] == "mixed" and pair:
             assert fa == L, f"{where}: our kernel {fa} times, expected once per layer ({L}) on a decode-pair backend"
         elif a["kind"] == "mixed":
@@ -277,12 +290,16 @@ def check_census(on: dict, off: dict, num_layers: int, gpu: bool = True) -> str:
     return "\n".join(["step (on/off)"] + lines)
 
 
-def check_host_syncs(on: dict, off: dict) -> str:
+def check_host_syncs(on: dict, off: dict, gpu: bool = True) -> str:
     """vLLM's own sync check (engine_worker.py, ``VLLM_GPU_SYNC_CHECK=warn``; armed on CUDA only)
-    over the probe's steps: no GPU<->CPU sync warned about in the plugin's code, and no more syncs
-    with the plugin than without (vLLM's own, if any, happen on both sides)."""
+    over the probe's steps: no GPU<->CPU sync warned about with the plugin's code in the stack, and
+    no more syncs with the plugin than without (vLLM's own, if any, happen on both sides). On a GPU,
+    each engine's deliberate sync (``sync_check_control``) must have been recorded: the check saw."""
     if on.get("sync_check") is None or off.get("sync_check") is None:
         raise AssertionError("the engines ran without vLLM's sync check (VLLM_GPU_SYNC_CHECK)")
+    if gpu:
+        controls = (on.get("sync_check_control"), off.get("sync_check_control"))
+        assert controls == (1, 1), f"the sync check recorded {controls} of the engines' one deliberate sync each"
     ours = [w for w in on["host_syncs"] if "vllm_mla_fusion" in w]
     assert not ours, f"the plugin's code synchronized with the GPU inside a step: {ours[:3]}"
     assert len(on["host_syncs"]) <= len(off["host_syncs"]), (

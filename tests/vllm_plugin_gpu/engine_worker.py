@@ -59,18 +59,40 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("VLLM_GPU_SYNC_CHECK", "warn")
 HOST_SYNCS: list[str] = []  # the warnings of the engine in progress (run_engine resets it)
 _SYNC_WORDS = ("called a synchronizing CUDA operation", "may be silently synchronous")
+PLUGIN_IN_STACK = "[vllm_mla_fusion in the stack] "
 _show_warning = warnings.showwarning
 
 
 def _count_host_syncs(message, category, filename, lineno, file=None, line=None):
-    """``warnings.showwarning`` as vLLM's sync check finds it: records each sync warning, shows all."""
+    """``warnings.showwarning`` as vLLM's sync check finds it: records each sync warning (marked
+    where the plugin's code is anywhere in the stack, e.g. a torch call of ours), shows all."""
     text = str(message)
     if any(w in text for w in _SYNC_WORDS):
-        HOST_SYNCS.append(f"{filename}:{lineno}: {text[:160]}")
+        ours = any("vllm_mla_fusion" in f.filename for f in traceback.extract_stack())
+        HOST_SYNCS.append(f"{PLUGIN_IN_STACK if ours else ''}{filename}:{lineno}: {text[:160]}")
     return _show_warning(message, category, filename, lineno, file, line)
 
 
 warnings.showwarning = _count_host_syncs
+# vLLM lets every torch sync warning through ("always"); its own warning about a silently
+# synchronous copy would otherwise show once per place and process: the first engine only.
+warnings.filterwarnings("always", message=".*may be silently synchronous")
+
+
+def sync_check_control() -> int:
+    """A deliberate sync (``.item()`` of a CUDA tensor) under vLLM's sync check, once its engine
+    has armed it: how many warnings reached HOST_SYNCS (1 where the chain works; 0 without CUDA,
+    where vLLM never arms it). Removes them again."""
+    import torch
+    from vllm.utils.gpu_sync_debug import with_gpu_sync_check
+
+    if not torch.cuda.is_available():
+        return 0
+    before = len(HOST_SYNCS)
+    with_gpu_sync_check(lambda: torch.ones(1, device="cuda").item())()
+    n = len(HOST_SYNCS) - before
+    del HOST_SYNCS[before:]
+    return n
 
 from benchmarks.e2e import vllm_engine as E  # noqa: E402 - imports no vLLM
 
@@ -211,6 +233,7 @@ class Runner:
         rec["build_s"] = time.perf_counter() - t
         HOST_SYNCS.clear()  # vLLM arms its sync check once the engine has warmed up, inside LLM(...)
         rec["sync_check"] = os.environ.get("VLLM_GPU_SYNC_CHECK")
+        rec["sync_check_control"] = sync_check_control()
         try:
             rec["mla_layers_redrawn"] = llm.apply_model(redraw_weights)[0]
             rec["facts"] = {**llm.apply_model(E.mla_facts)[0], **llm.collective_rpc(E.runner_facts)[0]}

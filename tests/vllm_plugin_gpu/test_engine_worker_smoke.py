@@ -95,6 +95,12 @@ def test_checks_catch_a_difference(pair):
         checks.check_sides(off, on, W.NUM_LAYERS)  # sides swapped
     with pytest.raises(AssertionError):
         checks.check_census(off, on, W.NUM_LAYERS, gpu=False)
+    # Layers that claim the opt-in fused prefill key the case did not ask for, and whose steps never ran op 3.
+    claims = {**on, "facts": {**on["facts"], "layers": [{**l, "prefill_key_fused": True} for l in on["facts"]["layers"]]}}
+    with pytest.raises(AssertionError, match="prefill key is fused"):
+        checks.check_sides(claims, off, W.NUM_LAYERS)
+    with pytest.raises(AssertionError, match="mla_prefill_rope_cache_write ran 0 times"):
+        checks.check_census(claims, off, W.NUM_LAYERS, gpu=False)
 
 
 def test_jit_hook_installed(pair):
@@ -109,15 +115,20 @@ def test_host_sync_check_is_recorded_and_its_check_fails_on_an_added_sync(pair):
     names a sync in the plugin's code, an extra sync on the plugin side, and a run without it."""
     on, off = pair
     for rec in pair:
-        assert rec["sync_check"] == "warn" and rec["host_syncs"] == []
-    assert "0 on / 0 off" in checks.check_host_syncs(on, off)
+        assert rec["sync_check"] == "warn" and rec["host_syncs"] == [] and rec["sync_check_control"] == 0
+    assert "0 on / 0 off" in checks.check_host_syncs(on, off, gpu=False)
+    with pytest.raises(AssertionError, match="deliberate sync"):
+        checks.check_host_syncs(on, off)  # on a GPU the control must have been recorded
     warning = "called a synchronizing CUDA operation"
     ours = {**on, "host_syncs": [f"/site/vllm_mla_fusion/vllm_plugin/attention.py:300: {warning}"]}
     with pytest.raises(AssertionError, match="the plugin's code synchronized"):
-        checks.check_host_syncs(ours, off)
+        checks.check_host_syncs(ours, off, gpu=False)
+    in_stack = {**on, "host_syncs": [f"[vllm_mla_fusion in the stack] /site/torch/_tensor.py:9: {warning}"]}
+    with pytest.raises(AssertionError, match="the plugin's code synchronized"):
+        checks.check_host_syncs(in_stack, off, gpu=False)
     extra = {**on, "host_syncs": [f"/site/vllm/v1/worker/gpu_model_runner.py:10: {warning}"]}
     with pytest.raises(AssertionError, match="1 sync warnings with the plugin, 0 without"):
-        checks.check_host_syncs(extra, off)
-    assert "1 on / 1 off" in checks.check_host_syncs(extra, extra)
+        checks.check_host_syncs(extra, off, gpu=False)
+    assert "1 on / 1 off" in checks.check_host_syncs(extra, extra, gpu=False)
     with pytest.raises(AssertionError, match="without vLLM's sync check"):
-        checks.check_host_syncs({**on, "sync_check": None}, off)
+        checks.check_host_syncs({**on, "sync_check": None}, off, gpu=False)

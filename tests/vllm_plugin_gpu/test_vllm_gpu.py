@@ -214,7 +214,8 @@ def test_bf16_compiled_bit_identical(run, backend):
 
 @pytest.mark.parametrize("name", [n for n, c in W.ALL_CASES.items() if c.plugin_env and c.compiled])
 def test_switch_cases_compiled_bit_identical(run, name):
-    """With a plugin switch set (the graph-rope case: op 1 inside piecewise graphs), still bit for bit."""
+    """With a plugin switch set (the graph-rope case: op 1 inside piecewise graphs; the opt-in fused
+    prefill key, op 3), still bit for bit."""
     print(checks.check_bf16_identical(*run.pair(name)))
 
 

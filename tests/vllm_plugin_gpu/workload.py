@@ -106,8 +106,9 @@ def case(backend: str, compiled: bool, kv_cache_dtype: str = "auto", plugin_env:
 # steps (at most the 1024-token budget, PIECEWISE_CAPTURE) replay piecewise graphs with the fused
 # op captured in them.
 GROUPS = {
-    "FLASH_ATTN_MLA": [case("FLASH_ATTN_MLA", True), case("FLASH_ATTN_MLA", True, plugin_env=FUSED_PREFILL_KEY),
-                       case("FLASH_ATTN_MLA", False), case("FLASH_ATTN_MLA", True, plugin_env=GRAPH_ROPE)],
+    "FLASH_ATTN_MLA": [case("FLASH_ATTN_MLA", True), case("FLASH_ATTN_MLA", False),
+                       case("FLASH_ATTN_MLA", True, plugin_env=FUSED_PREFILL_KEY),
+                       case("FLASH_ATTN_MLA", True, plugin_env=GRAPH_ROPE)],
     "FLASHMLA": [case("FLASHMLA", True), case("FLASHMLA", True, "fp8"), case("FLASHMLA", False),
                  case("FLASHMLA", True, plugin_env=FUSED_PREFILL_KEY)],
     "TRITON_MLA": [case("TRITON_MLA", True), case("TRITON_MLA", True, "fp8"), case("TRITON_MLA", False)],

@@ -192,7 +192,7 @@ class FusedMLAAttention(MLAAttention):
             if step is not None and step.key_start and not step.assembled:
                 raise RuntimeError(
                     f"vllm-mla-fusion: {layer.layer_name}'s decode attention ran before forward_mha built the "
-                    "prefill key; set VLLM_MLA_FUSION_PREFILL_KEY=0 and report this vLLM configuration"
+                    "prefill key; unset VLLM_MLA_FUSION_PREFILL_KEY (the fused key is opt-in) and report this vLLM configuration"
                 )
             return vllm_forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
 
@@ -327,7 +327,7 @@ class FusedMLAAttention(MLAAttention):
             raise RuntimeError(
                 f"vllm-mla-fusion: {self.layer_name} had {end - num_decode} prefill tokens (and {prefill.key_start} "
                 "decode tokens the same launch serves) but vLLM's forward_mha never built their key; set "
-                "VLLM_MLA_FUSION_PREFILL_KEY=0 and report this vLLM configuration"
+                "VLLM_MLA_FUSION_PREFILL_KEY to 0 (the fused key is opt-in) and report this vLLM configuration"
             )
 
     def assemble_prefill_key(self, k_nope: torch.Tensor, k_pe: torch.Tensor, vllm_concat) -> torch.Tensor:
@@ -358,7 +358,7 @@ class FusedMLAAttention(MLAAttention):
                 # Not even vLLM's k_pe has the step's prefill rows: nothing here is safe to write.
                 raise RuntimeError(
                     f"vllm-mla-fusion: {self.layer_name}'s forward_mha built a key from {k_pe.shape[0]} rows of "
-                    f"k_pe for {num_keys} prefill tokens; set VLLM_MLA_FUSION_PREFILL_KEY=0 and report this vLLM "
+                    f"k_pe for {num_keys} prefill tokens; unset VLLM_MLA_FUSION_PREFILL_KEY (the fused key is opt-in) and report this vLLM "
                     "configuration"
                 )  # fmt: skip
             if s:  # the decode rows this launch was to serve

@@ -195,7 +195,7 @@ def prefill_key_reason(impl: MLAAttentionImpl) -> str | None:
     if not env_opted_in(ENV_PREFILL_KEY):
         # Opt-in: in the serving configuration where the plugin measured slower (docs/performance.md,
         # "Issue 40's configuration"), the server without op 3 read at parity, for a cause not yet known.
-        return f"{ENV_PREFILL_KEY} is not 1 (the fused prefill key is opt-in)"
+        return f"{ENV_PREFILL_KEY} is not set to 1 (the fused prefill key is opt-in)"
     cls = type(impl)
     known = [MLACommonBaseImpl.forward_mha] + ([aiter.forward_mha] if (aiter := _aiter_mla_impl()) else [])
     if getattr(cls, "forward_mha", None) not in known:

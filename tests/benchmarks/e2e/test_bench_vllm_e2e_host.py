@@ -14,14 +14,17 @@ def B():
     return bench_vllm_e2e
 
 
-def _request(side: str, speed: float, common: float, attention: float, pieces: float, rest: float) -> dict:
+def _request(side: str, speed: float, common: float, attention: float, pieces: float, rest: float,
+             op3: bool = True) -> dict:  # fmt: skip
     """One TTFT request's host record as install_host_timer / install_region_timer report it, for a
-    host running ``speed`` times slower than the reference (all Python equally)."""
+    host running ``speed`` times slower than the reference (all Python equally). ``op3``: the
+    plugin side builds the key with op 3 (opt-in), else vLLM's concat does, inside forward_mha."""
     s = speed
     if side == "on":
-        op3 = 0.4 * attention
-        regions = {"forward_mha": [61, s * (common + op3)], "plugin prefill key (op 3)": [61, s * op3],
-                   "MLAAttention.forward_impl": [61, s * (common + op3 + 1.0)],
+        key = 0.4 * attention
+        regions = {"forward_mha": [61, s * (common + key)],
+                   "plugin prefill key (op 3)" if op3 else "vLLM key concat": [61, s * key],
+                   "MLAAttention.forward_impl": [61, s * (common + key + 1.0)],
                    "plugin forward_fused": [61, s * (common + attention)]}  # fmt: skip
     else:
         concat, write = 0.3 * attention, 0.2 * attention
@@ -48,6 +51,15 @@ def test_host_at_equal_speed_removes_the_host_speed(B):
         got = (x["common_ms"], x["attention_ms"], x["pieces_ms"], x["rest_ms"])
         assert got == pytest.approx(want), side
         assert x["execute_ms"] == pytest.approx(sum(want))
+
+
+def test_host_split_of_the_plugin_side_with_either_key(B):
+    """The plugin side's forward_mha holds op 3 where it is opted in, vLLM's key concat otherwise:
+    either is the key, taken out of vLLM's common code the same way."""
+    for op3 in (True, False):
+        split = B._host_split("on", _request("on", 1.0, 13.0, 11.4, 15.4, 4.3, op3=op3))
+        assert (split["common"], split["attention"], split["pieces"], split["rest"]) == pytest.approx(
+            (13.0, 11.4, 15.4, 4.3)), op3
 
 
 def test_host_at_equal_speed_needs_region_records(B):
