@@ -211,8 +211,8 @@ MUTANTS = [
            "NVIDIA's PDL intrinsics outside their constexpr guard (breaks the ROCm build)"),
     # ---- S2 (issue 41): the block size a constexpr, index and table loads before the wait -------
     Mutant("block-size-constexpr-mismatched", K,
-           "BLOCK_R2=_pow2(p.rope_dim // 2), BLOCK_SIZE=kv_cache.shape[1],",
-           "BLOCK_R2=_pow2(p.rope_dim // 2), BLOCK_SIZE=16,",
+           "            BLOCK_SIZE=kv_cache.shape[1],",
+           "            BLOCK_SIZE=16,",
            f"{OPS} -k 'layouts and block_pad and triton'",
            "the kernel's block size a fixed 16, not the cache's"),
     Mutant("early-loads-without-the-promise", K,

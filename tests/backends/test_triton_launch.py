@@ -175,7 +175,7 @@ def test_first_launch_per_configuration_goes_through_triton_then_its_compiled_ke
     # The compiled kernel's launcher gets exactly what Triton bound for the same call: every
     # parameter, constexprs included, in the kernel's order (addresses as integers).
     assert fn.slow[0] == (launch.plan(5).grid, args)
-    assert args6[11] == 6 and args6[15] == launch.plan(6).n_cache  # num_tokens, n_cache_programs
+    assert args6[11] == 6 and args6[14] == launch.plan(6).n_cache  # num_tokens, n_cache_programs
 
 
 def test_a_launch_hook_takes_the_launch_that_calls_it(fake_gpu, monkeypatch):
@@ -265,7 +265,7 @@ def test_the_kernel_takes_pointers_and_integers_first_then_constexprs():
     params = _kernel_params()
     constexpr = [c for _, c in params]
     n = constexpr.index(True)
-    assert n == 11 + 24 and all(constexpr[n:])  # 11 pointers, 6 sizes, 18 strides
+    assert n == 11 + 23 and all(constexpr[n:])  # 11 pointers, 5 sizes, 18 strides
 
 
 # --- Triton's own specialization of the kernel's arguments ---------------------------------

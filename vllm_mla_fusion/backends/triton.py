@@ -34,8 +34,7 @@ data, overlapping the previous kernel's tail as K3's ops do. Either way the data
 a rotation takes is loaded before its rope-table rows, whose address waits for
 the position.
 
-The entry point takes 53 parameters: 11 pointers, 6 sizes (``block_size`` no
-longer read, kept in place until the parameters are regrouped), 18 strides and 18
+The entry point takes 51 parameters: 11 pointers, 5 sizes, 18 strides and 17
 constexprs (sizes, op, rotation style, tiles, PDL, the cache's block size, the
 early index loads, and one store format for each of
 the two stores, the cache and the output: ``_store_mode`` names it, e.g.
@@ -119,6 +118,12 @@ def _pow2_scaled(store):
     store as it is: Triton 3.6 compiles both sides of a branch on ``_scale_is_pow2``'s constexpr
     False, and folds the branch only afterwards)."""
     return store + "/pow2" if store.endswith("/scaled") else store
+
+
+@triton.constexpr_function
+def _pow2_at_least(n):
+    """The smallest power of two >= ``n`` (``n`` >= 1)."""
+    return 1 << (n - 1).bit_length()
 
 
 @triton.jit
@@ -328,8 +333,7 @@ def _mla_rope_cache_kernel(
     # sizes
     num_tokens,
     max_pos,
-    block_size,  # unused (the kernel divides by BLOCK_SIZE); kept in its place in the launchers' argument order
-    num_slots,  # num_blocks * block_size: slots at or past it write nothing
+    num_slots,  # num_blocks * BLOCK_SIZE: slots at or past it write nothing
     n_cache_programs,
     key_start,  # op 3: first token with a key row (k_nope / k_out row t - key_start); 0 for ops 1 and 2
     # strides (elements)
@@ -355,11 +359,11 @@ def _mla_rope_cache_kernel(
     BLOCK_L: tl.constexpr,  # latent columns per step (cache rows)
     BLOCK_N: tl.constexpr,  # nope columns per step (query programs, ops 2 and 3)
     BLOCK_H: tl.constexpr,  # heads per k_out store in a cache program (op 3)
-    BLOCK_R2: tl.constexpr,  # next_power_of_2(R // 2)
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (sm_90+)
     BLOCK_SIZE: tl.constexpr,  # the cache's block size (slot // BLOCK_SIZE: no division by a runtime value)
     EARLY_INDEX_LOADS: tl.constexpr,  # with USE_PDL: positions, slots and cos/sin read before the wait (BoundLaunch)
 ):  # fmt: skip
+    BLOCK_R2: tl.constexpr = _pow2_at_least(R // 2)  # the rotation's half-width, padded for tl.arange
     if not EARLY_INDEX_LOADS:
         # Launched early, overlapping the previous kernel's tail: wait for its writes
         # (our inputs) before touching memory, then let the next kernel get scheduled.
@@ -757,14 +761,14 @@ class BoundLaunch:
         self.base_constexprs = dict(
             H=p.num_heads, L=p.kv_lora_rank, R=p.rope_dim, NOPE=nope.shape[-1] if out is not None else 1,
             IS_NEOX=is_neox, OP=op, NOPE_FIRST=is_nope_first, CACHE_STORE=cache_store, OUT_STORE=out_store,
-            BLOCK_R2=_pow2(p.rope_dim // 2), BLOCK_SIZE=kv_cache.shape[1],
+            BLOCK_SIZE=kv_cache.shape[1],
         )  # fmt: skip
         k_pe2, kv_c2 = _rows_2d(k_pe), _rows_2d(kv_c)
         n_strides = nope.stride() if out is not None else (0, 0, 0)
         o_strides = out.stride() if out is not None else (0, 0, 0)
         self.strides = (cos_sin_cache.stride(0), cos_sin_cache.stride(1), *q_pe.stride(), *k_pe2.stride(),
                         *kv_c2.stride(), *kv_cache.stride(), *n_strides, *o_strides)  # fmt: skip
-        self.sizes = (cos_sin_cache.shape[0], kv_cache.shape[1])  # max_pos, block_size
+        self.max_pos, self.block_size = cos_sin_cache.shape[0], kv_cache.shape[1]
         self.num_slots = kv_cache.shape[0] * kv_cache.shape[1]
         # The kernel reads the index tensors at unit stride (vLLM's are contiguous); another
         # stride costs a copy of the T entries used, never a wrong read.
@@ -816,7 +820,7 @@ class BoundLaunch:
         plan = self.plan(T)
         if self.copy_index:
             positions, slot_mapping = positions[:T].contiguous(), slot_mapping[:T].contiguous()
-        num_slots = kv_cache.shape[0] * self.sizes[1]
+        num_slots = kv_cache.shape[0] * self.block_size
         if plan.compiled is not None and num_slots < 2**31:
             cs = cos_sin_cache.data_ptr()
             data = (cs, q_pe.data_ptr(), k_pe.data_ptr(), kv_c.data_ptr(), kv_cache.data_ptr(),
@@ -844,7 +848,7 @@ class BoundLaunch:
         launcher, function, packed_metadata, kernel = plan.compiled
         stream = self._current_stream(self.device_index)
         args = (positions.data_ptr(), slot_mapping.data_ptr(), cs, q, k, c, cache, cache_scale, nope, out, out_scale,
-                T, self.sizes[0], self.sizes[1], num_slots, plan.n_cache, key_start, *self.strides,
+                T, self.max_pos, num_slots, plan.n_cache, key_start, *self.strides,
                 *plan.values)  # fmt: skip
         if _no_launch_hooks():
             # The compiled kernel's launcher, called as Triton's own launch path calls it; with no
@@ -870,7 +874,7 @@ class BoundLaunch:
                 positions, slot_mapping, cos_sin_cache, q_pe, _rows_2d(k_pe), _rows_2d(kv_c), cache,
                 kv_cache_scale if kv_cache_scale is not None else dummy, nope, out,
                 out_scale if out_scale is not None else dummy,
-                T, self.sizes[0], self.sizes[1], num_slots, plan.n_cache, key_start, *self.strides,
+                T, self.max_pos, num_slots, plan.n_cache, key_start, *self.strides,
                 **plan.constexprs, num_warps=plan.num_warps, **({"launch_pdl": True} if self.pdl else {}),
             )  # fmt: skip
         aligned = all(t.data_ptr() % 16 == 0 for t in (cos_sin_cache, q_pe, k_pe, kv_c, kv_cache, nope, out)
