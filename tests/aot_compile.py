@@ -48,7 +48,7 @@ OPS = {
 }
 DSV3 = dict(L=512, R=64)
 OP_NAMES = {"rope_cache_write": "op 1", "decode": "op 2", "prefill": "op 3"}
-TILES = ("BLOCK_T", "BLOCK_ROWS", "BLOCK_L", "BLOCK_N", "BLOCK_H", "num_warps")
+TILES = ("BLOCK_T", "BLOCK_ROWS", "BLOCK_H", "num_warps")
 
 
 @dataclass
@@ -294,11 +294,11 @@ def triton_install(version: str = OTHER_TRITON) -> Path:
 def table(results: list[dict], intro: str, columns: dict) -> str:
     """A markdown table of ``results``: the variant's arch, op, formats and tiles, then
     ``columns`` (heading -> the cell of a result)."""
-    lines = [intro, "", "| arch | op | formats | tiles (T / rows / L / nope / heads) | " + " | ".join(columns) + " |",
+    lines = [intro, "", "| arch | op | formats | tiles (T / rows / heads) | " + " | ".join(columns) + " |",
              "| --- " * (4 + len(columns)) + "|"]  # fmt: skip
     for r in results:
         t = r["tiles"]
-        tiles = f"{t['BLOCK_T']} / {t['BLOCK_ROWS']} / {t['BLOCK_L']} / {t['BLOCK_N']} / {t['BLOCK_H']}"
+        tiles = f"{t['BLOCK_T']} / {t['BLOCK_ROWS']} / {t['BLOCK_H']}"
         cells = [r["arch"], OP_NAMES[r["op"]], r["label"], tiles, *(str(cell(r)) for cell in columns.values())]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

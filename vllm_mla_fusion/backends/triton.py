@@ -34,7 +34,7 @@ data, overlapping the previous kernel's tail as K3's ops do. Either way the data
 a rotation takes is loaded before its rope-table rows, whose address waits for
 the position.
 
-The entry point takes 51 parameters: 11 pointers, 5 sizes, 18 strides and 17
+The entry point takes 49 parameters: 11 pointers, 5 sizes, 18 strides and 15
 constexprs (sizes, op, rotation style, tiles, PDL, the cache's block size, the
 early index loads, and one store format for each of
 the two stores, the cache and the output: ``_store_mode`` names it, e.g.
@@ -124,6 +124,13 @@ def _pow2_scaled(store):
 def _pow2_at_least(n):
     """The smallest power of two >= ``n`` (``n`` >= 1)."""
     return 1 << (n - 1).bit_length()
+
+
+@triton.constexpr_function
+def _row_step(n):
+    """Columns a program moves per step along a row of ``n``: the power of two covering it, at
+    most 512 (wider rows take several steps: latent or nope widths past 512)."""
+    return min(1 << (max(n, 1) - 1).bit_length(), 512)
 
 
 @triton.jit
@@ -356,14 +363,14 @@ def _mla_rope_cache_kernel(
     OUT_STORE: tl.constexpr,  # the output's (op 1: q_pe's slots, "plain")
     BLOCK_T: tl.constexpr,  # tokens per cache program
     BLOCK_ROWS: tl.constexpr,  # (token, head) rows per query program
-    BLOCK_L: tl.constexpr,  # latent columns per step (cache rows)
-    BLOCK_N: tl.constexpr,  # nope columns per step (query programs, ops 2 and 3)
     BLOCK_H: tl.constexpr,  # heads per k_out store in a cache program (op 3)
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (sm_90+)
     BLOCK_SIZE: tl.constexpr,  # the cache's block size (slot // BLOCK_SIZE: no division by a runtime value)
     EARLY_INDEX_LOADS: tl.constexpr,  # with USE_PDL: positions, slots and cos/sin read before the wait (BoundLaunch)
 ):  # fmt: skip
     BLOCK_R2: tl.constexpr = _pow2_at_least(R // 2)  # the rotation's half-width, padded for tl.arange
+    BLOCK_L: tl.constexpr = _row_step(L)  # latent columns per step (cache rows)
+    BLOCK_N: tl.constexpr = _row_step(NOPE)  # nope columns per step (query programs, ops 2 and 3)
     if not EARLY_INDEX_LOADS:
         # Launched early, overlapping the previous kernel's tail: wait for its writes
         # (our inputs) before touching memory, then let the next kernel get scheduled.
@@ -667,9 +674,7 @@ def _launch_config_for(p: Problem, op: int, sms: int, pdl: bool) -> dict:
     over more SMs instead of queueing on a few.
     """
     H, L, R = p.num_heads, p.kv_lora_rank, p.rope_dim
-    BLOCK_L = min(_pow2(L), 512)
     nope = {OP_ROPE_CACHE.value: 0, OP_DECODE.value: L, OP_PREFILL.value: p.nope_dim or 0}[op]
-    BLOCK_N = min(_pow2(max(nope, 1)), 512)
     row_elems = nope + R
     rows = p.num_tokens * H
     # Measured on an H200 (benchmarks/kernels/tune_launch.py, docs/performance-history.md): ~4K-element
@@ -700,7 +705,7 @@ def _launch_config_for(p: Problem, op: int, sms: int, pdl: bool) -> dict:
     block_h = _pow2(H) if op == OP_PREFILL.value else 1
     while block_h > 1 and block_t * block_h * R > 2048:
         block_h //= 2
-    return dict(BLOCK_T=block_t, BLOCK_ROWS=block_rows, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, BLOCK_H=block_h,
+    return dict(BLOCK_T=block_t, BLOCK_ROWS=block_rows, BLOCK_H=block_h,
                 num_warps=4, USE_PDL=pdl)  # fmt: skip
 
 
@@ -799,7 +804,7 @@ class BoundLaunch:
             return plan
         cfg = _launch_config(dataclasses.replace(self.p, num_tokens=T), self.op, self.device)
         constexprs = dict(self.base_constexprs, BLOCK_T=cfg["BLOCK_T"], BLOCK_ROWS=cfg["BLOCK_ROWS"],
-                          BLOCK_L=cfg["BLOCK_L"], BLOCK_N=cfg["BLOCK_N"], BLOCK_H=cfg["BLOCK_H"],
+                          BLOCK_H=cfg["BLOCK_H"],
                           USE_PDL=cfg["USE_PDL"],
                           EARLY_INDEX_LOADS=self.early_index_loads and cfg["USE_PDL"])  # fmt: skip
         values = tuple(constexprs[name] for name in _CONSTEXPR_NAMES)
