@@ -175,11 +175,15 @@ def test_the_cpu_time_of_a_server_and_its_children_is_read_by_role(tmp_path):
         assert proc.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 20
         while True:
+            # Until each process has spun its share (the sum alone can be reached while the child
+            # is still spinning: the parent overshoots its 0.3 s on a loaded machine).
             cpu = process_cpu_s(proc.pid)
-            if sum(c for _, c in cpu.values()) >= 0.85 or time.monotonic() > deadline:
+            roles = {role: c for role, c in cpu.values()}
+            if (roles.get("api_server", 0) >= 0.28 and roles.get("EngineCore_DP0", 0) >= 0.55) or (
+                time.monotonic() > deadline
+            ):
                 break
             time.sleep(0.1)
-        roles = {role: c for role, c in cpu.values()}
         assert set(roles) == {"api_server", "EngineCore_DP0"}, cpu
         assert roles["api_server"] >= 0.28 and roles["EngineCore_DP0"] >= 0.55, cpu
         assert {pid for pid, _ in cpu} == {proc.pid, *(c.pid for c in psutil.Process(proc.pid).children())}
