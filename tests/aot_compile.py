@@ -142,8 +142,9 @@ def capture_launch(machine, v: Variant):
             return lambda *args, **kwargs: recorded.append((args, kwargs))
 
     with machine as tb:
-        kernel = tb._mla_rope_cache_kernel
-        tb._mla_rope_cache_kernel = Recorder()  # CPU tensors: the launch takes Triton's kernel[grid](...) path
+        kernels = dict(tb._KERNELS)
+        # CPU tensors: the launch takes Triton's kernel[grid](...) path, through the op's entry point.
+        tb._KERNELS.update({o: Recorder() for o in kernels})
         try:
             if v.op == "decode":
                 op, p = 2, validation.check_decode_rope_cache_write(*c.decode_args(), True)
@@ -159,7 +160,8 @@ def capture_launch(machine, v: Variant):
                            c.kv_cache_scale, None, None, None)  # fmt: skip
             tb.bind(p, op, c.is_neox, True, *tensors, v.early)(p.num_tokens, *tensors)
         finally:
-            tb._mla_rope_cache_kernel = kernel
+            tb._KERNELS.update(kernels)
+        kernel = kernels[op]
         formats = {v.cache} | ({v.out} if v.out in FP8 else set())
         native = sorted(f for f in formats if f in FP8 and tb._native_fp8_ok(None, dt[f]))
     (args, kwargs), = recorded
@@ -198,8 +200,10 @@ class Compiled:
         rounding modes) and native formats."""
         from vllm_mla_fusion.backends.triton import _store_params
 
-        stores = {k: self.kwargs[k] for k in ("CACHE_STORE", "OUT_STORE")}
-        return dict(arch=arch, **asdict(v), label=v.label, tiles={k: self.kwargs[k] for k in TILES}, stores=stores,
+        # An op's entry point takes only its own: op 1 has no output store, ops 1 and 2 one head per key store.
+        stores = {k: self.kwargs.get(k, "plain") for k in ("CACHE_STORE", "OUT_STORE")}
+        return dict(arch=arch, **asdict(v), label=v.label, tiles={k: self.kwargs.get(k, 1) for k in TILES},
+                    stores=stores,
                     modes={k.replace("STORE", "MODE"): _store_params(f)["MODE"] for k, f in stores.items()},
                     native_fp8=self.native, seconds=self.seconds)  # fmt: skip
 

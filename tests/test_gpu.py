@@ -252,7 +252,7 @@ def test_index_tensors_off_alignment_compile_no_new_variant(op):
         "prefill": (lambda c: mla.mla_prefill_rope_cache_write(*c.prefill_args(), backend="triton"),
                     check_prefill_rope_cache_write),
     }[op]  # fmt: skip
-    caches = triton_backend._mla_rope_cache_kernel.device_caches
+    caches = triton_backend._KERNELS[3 if op == "prefill" else 1].device_caches
     run(make_case(T=64, H=16, block_size=16, device="cuda", seed=71, **kind, **DSV3))
     torch.cuda.synchronize()
     compiled = sum(len(c[0]) for c in caches.values())

@@ -637,6 +637,7 @@ def kernel_cache_keys(worker) -> list:
     except ImportError:
         return []
     out = []
-    for caches in getattr(tb._mla_rope_cache_kernel, "device_caches", {}).values():
-        out += [str(k) for k in caches[0]]
+    for kernel in tb._KERNELS.values():
+        for caches in getattr(kernel, "device_caches", {}).values():
+            out += [str(k) for k in caches[0]]
     return out

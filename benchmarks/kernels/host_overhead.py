@@ -80,9 +80,9 @@ def _raw_run(site, T: int, tensors: tuple):
     plan = site.plan(T)
     kernel = site.kernels[plan.values]
     pos, q_pe, k_pe, kv_c, cs, slots, cache, kv_scale, nope, out, out_scale = tensors
-    args = (pos.data_ptr(), slots.data_ptr(), cs.data_ptr(), q_pe.data_ptr(), k_pe.data_ptr(), kv_c.data_ptr(),
-            cache.data_ptr(), cs.data_ptr(), nope.data_ptr(), out.data_ptr(), cs.data_ptr(), T, site.max_pos,
-            cache.shape[0] * cache.shape[1], plan.n_cache, 0, *site.strides, *plan.values)  # fmt: skip
+    args = site.arguments(T, cache.shape[0] * cache.shape[1], plan.n_cache, 0, pos.data_ptr(), slots.data_ptr(),
+                          cs.data_ptr(), q_pe.data_ptr(), k_pe.data_ptr(), kv_c.data_ptr(), cache.data_ptr(),
+                          cs.data_ptr(), nope.data_ptr(), out.data_ptr(), cs.data_ptr()) + plan.values  # fmt: skip
     stream = torch.cuda.current_stream().cuda_stream
 
     def call():

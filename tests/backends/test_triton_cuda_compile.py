@@ -94,7 +94,7 @@ def test_index_and_table_loads_come_before_the_wait_only_where_promised(compiled
         loads = order[program]
         # A scaled store's program first reads its scale's bits, which pick the power-of-two
         # copy (backends/triton.py, _scale_is_pow2): under the promise, before the wait too.
-        if loads and loads[0] in ("cache_scale_ptr", "out_scale_ptr"):
+        if loads and loads[0] in ("cache_scale_ptr", "q_scale_ptr"):  # op 2's output scale: its query's
             loads = loads[1:]
         early = INDEX[program] | {"cos_sin_ptr"}
         assert loads[: len(INDEX[program])] == sorted(INDEX[program]), loads  # pos_ptr, then slot_ptr

@@ -100,26 +100,42 @@ class _Compiled:
         return runner
 
 
-class _FakeJIT:
-    """``kernel[grid](*args, **constexprs)`` binds by the real kernel's signature, 'compiles' (a new
-    _Compiled per distinct Triton key) and returns it, like Triton's JITFunction.run; its own
-    launch is recorded too, with the arguments bound as Triton hands them over."""
+def _addresses(value):
+    """``value`` with every tensor replaced by its address, tuples kept (as a launcher takes them)."""
+    if isinstance(value, tuple):
+        return tuple(_addresses(v) for v in value)
+    return value.data_ptr() if isinstance(value, torch.Tensor) else value
 
-    def __init__(self):
-        self.sig = inspect.signature(tb._mla_rope_cache_kernel.fn)
-        self.slow, self.launches, self.compiled = [], [], {}
+
+class _FakeJIT:
+    """One op's ``kernel[grid](*args, **constexprs)``: binds by the real entry point's signature,
+    'compiles' (a new _Compiled per distinct Triton key) and returns it, like Triton's
+    JITFunction.run; its own launch is recorded too, with the arguments bound as Triton hands
+    them over. The op's fakes share their records (``records``)."""
+
+    def __init__(self, kernel, records=None):
+        self.sig = inspect.signature(kernel.fn)
+        self.slow, self.launches, self.compiled = records or ([], [], {})
 
     def __getitem__(self, grid):
         def run(*args, num_warps, launch_pdl=False, **constexprs):
             bound = self.sig.bind(*args, **constexprs).arguments
-            ptrs = [v for v in list(bound.values())[:11]]
-            key = (tuple((t.dtype, t.data_ptr() % 16 == 0) for t in ptrs[2:]), tuple(sorted(constexprs.items())),
+            data = [v for v in bound.values() if isinstance(v, torch.Tensor)]  # the index tensors first
+            key = (tuple((t.dtype, t.data_ptr() % 16 == 0) for t in data[2:]), tuple(sorted(constexprs.items())),
                    num_warps, launch_pdl)  # fmt: skip
-            values = tuple(v.data_ptr() if isinstance(v, torch.Tensor) else v for v in bound.values())
+            values = _addresses(tuple(bound.values()))
             self.slow.append((grid[0], values))
             return self.compiled.setdefault(key, _Compiled(self.launches, values))
 
         return run
+
+
+def _fake_kernels(monkeypatch) -> dict:
+    """Each op's entry point stood in by a _FakeJIT, all recording into the same lists."""
+    records = ([], [], {})
+    fakes = {op: _FakeJIT(kernel, records) for op, kernel in tb._KERNELS.items()}
+    monkeypatch.setattr(tb, "_KERNELS", fakes)  # a launch takes its op's when it is bound
+    return fakes
 
 
 def _tensors(op: int, T: int, H=4, L=32, R=16, P=8, misalign: str | None = None, slots=None):
@@ -140,8 +156,8 @@ def _tensors(op: int, T: int, H=4, L=32, R=16, P=8, misalign: str | None = None,
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """A BoundLaunch as on a GPU (compiled kernels), with Triton's kernel and driver stood in."""
-    fn = _FakeJIT()
-    monkeypatch.setattr(tb, "_mla_rope_cache_kernel", fn)
+    fakes = _fake_kernels(monkeypatch)
+    fn = fakes[1]  # their shared records
 
     def bound(op: int, **kw):
         t = _tensors(op, **kw)
@@ -175,7 +191,8 @@ def test_first_launch_per_configuration_goes_through_triton_then_its_compiled_ke
     # The compiled kernel's launcher gets exactly what Triton bound for the same call: every
     # parameter, constexprs included, in the kernel's order (addresses as integers).
     assert fn.slow[0] == (launch.plan(5).grid, args)
-    assert args6[11] == 6 and args6[14] == launch.plan(6).n_cache  # num_tokens, n_cache_programs
+    names = list(launch.kernel.sig.parameters)
+    assert args6[names.index("num_tokens")] == 6 and args6[names.index("n_cache_programs")] == launch.plan(6).n_cache
 
 
 def test_a_launch_hook_takes_the_launch_that_calls_it(fake_gpu, monkeypatch):
@@ -235,8 +252,7 @@ def test_anything_triton_would_specialize_differently_takes_tritons_path(fake_gp
 
 
 def test_interpreter_always_takes_tritons_path(monkeypatch):
-    fn = _FakeJIT()
-    monkeypatch.setattr(tb, "_mla_rope_cache_kernel", fn)
+    fn = _fake_kernels(monkeypatch)[1]
     t = _tensors(1, 3)
     p = Problem(3, 4, 32, 16, torch.float32)
     launch = tb.bind(p, 1, False, True, *t.values())
@@ -255,28 +271,38 @@ def test_plans_are_bounded(fake_gpu, monkeypatch):
     assert len(launch.plans) <= 4
 
 
-def _kernel_params() -> list[tuple[str, bool]]:
-    """(name, is constexpr) of the kernel's parameters, from its Python source (any Triton mode)."""
-    sig = inspect.signature(tb._mla_rope_cache_kernel.fn)
+def _kernel_params(op: int) -> list[tuple[str, bool]]:
+    """(name, is constexpr) of an op's entry point's parameters, from its Python source (any Triton mode)."""
+    sig = inspect.signature(tb._KERNELS[op].fn)
     return [(name, "constexpr" in str(p.annotation)) for name, p in sig.parameters.items()]
 
 
-def test_the_kernel_takes_pointers_and_integers_first_then_constexprs():
-    params = _kernel_params()
+# (pointers, sizes, constexprs) of each op's entry point; after the sizes, one tuple of the data
+# tensors' strides.
+ENTRY_POINTS = {1: (8, 4, 10), 2: (11, 5, 12), 3: (10, 5, 13)}
+
+
+@pytest.mark.parametrize("op", [1, 2, 3])
+def test_each_op_has_an_entry_point_of_fewer_than_31_parameters(op):
+    """Issue 41's S3: one entry point per op, under 31 parameters: pointers, sizes, the strides,
+    then constexprs."""
+    params = _kernel_params(op)
     constexpr = [c for _, c in params]
+    pointers, sizes, constexprs = ENTRY_POINTS[op]
+    assert all(name.endswith("_ptr") for name, _ in params[:pointers]) and params[pointers + sizes][0] == "strides"
     n = constexpr.index(True)
-    assert n == 11 + 23 and all(constexpr[n:])  # 11 pointers, 5 sizes, 18 strides
+    assert n == pointers + 1 + sizes and all(constexpr[n:]) and len(params) == n + constexprs < 31
 
 
 # --- Triton's own specialization of the kernel's arguments ---------------------------------
 
 
-def _compiled_kernel():
-    """The project's kernel as a compiled-mode JITFunction (under TRITON_INTERPRET=1 one is
+def _compiled_kernel(op: int):
+    """An op's entry point as a compiled-mode JITFunction (under TRITON_INTERPRET=1 one is
     built from the same function and decorator arguments): its real parameter list."""
     from triton.runtime.jit import JITFunction
 
-    fn = tb._mla_rope_cache_kernel
+    fn = tb._KERNELS[op]
     return fn if isinstance(fn, JITFunction) else JITFunction(fn.fn, **fn.kwargs)
 
 
@@ -302,7 +328,7 @@ def _triton_specialization(monkeypatch, positions, slots, misaligned_nope: bool 
         def __getitem__(self, grid):
             return lambda *args, num_warps, launch_pdl=False, **constexprs: calls.append((args, constexprs))
 
-    monkeypatch.setattr(tb, "_mla_rope_cache_kernel", Recorder())
+    monkeypatch.setitem(tb._KERNELS, 3, Recorder())
     p = Problem(T, H, L, R, torch.bfloat16, nope_dim=P, k_out_dtype=torch.bfloat16)
     launch = tb.bind(p, 3, True, True, positions, q[..., P:], kv[:, L:].unsqueeze(1), kv[:, :L], cos_sin, slots,
                      cache, None, k_nope, k_out, None)  # fmt: skip
@@ -310,7 +336,7 @@ def _triton_specialization(monkeypatch, positions, slots, misaligned_nope: bool 
            None)  # fmt: skip
     (runtime, constexprs), = calls
     monkeypatch.undo()
-    fn = _compiled_kernel()
+    fn = _compiled_kernel(3)
     binder = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
     return binder(*runtime, **constexprs)[1]
 
@@ -332,15 +358,23 @@ def test_index_tensors_at_any_offset_share_one_compiled_variant(monkeypatch):
     assert _triton_specialization(monkeypatch, positions[:T], slots[:T], misaligned_nope=True) != aligned
 
 
-def test_plans_hand_constexprs_over_in_the_kernels_order():
-    """A plan's ``values`` are its constexprs in the order the compiled kernel's launcher takes
-    them (Triton's parameter list)."""
-    jit = _compiled_kernel()
-    assert tb._CONSTEXPR_NAMES == tuple(prm.name for prm in jit.params if prm.is_constexpr)
+@pytest.mark.parametrize("op", [1, 2, 3])
+def test_plans_hand_their_ops_constexprs_over_in_its_order(op):
+    """A plan's ``values`` are its entry point's constexprs in the order the compiled kernel's
+    launcher takes them (Triton's parameter list), and nothing else."""
+    jit = _compiled_kernel(op)
+    assert tb._CONSTEXPR_NAMES[op] == tuple(prm.name for prm in jit.params if prm.is_constexpr)
+    t = _tensors(op, 64)
+    p = Problem(64, 4, 32, 16, torch.float32, nope_dim=8 if op == 3 else None)
+    plan = tb.bind(p, op, True, True, *t.values()).plan(64)
+    assert tuple(plan.constexprs) == tb._CONSTEXPR_NAMES[op]
+    assert plan.values == tuple(plan.constexprs[n] for n in tb._CONSTEXPR_NAMES[op])
+
+
+def test_the_prefill_key_plan():
     t = _tensors(3, 64)
     p = Problem(64, 4, 32, 16, torch.float32, nope_dim=8)
     plan = tb.bind(p, 3, True, True, *t.values()).plan(64)
-    assert plan.values == tuple(plan.constexprs[n] for n in tb._CONSTEXPR_NAMES)
     assert plan.constexprs["IS_NEOX"] is True
     assert tb.bind(p, 3, False, True, *t.values()).plan(64).constexprs["IS_NEOX"] is False
     t8 = dict(t, out=torch.empty(64, 4, 24, dtype=torch.float8_e4m3fn))
@@ -384,4 +418,4 @@ def test_the_block_size_is_a_constexpr_of_the_bound_layout():
         cache = torch.empty(256 // block_size + 1, block_size, 48)
         plan = tb.bind(p, 1, True, True, *dict(t, kv_cache=cache).values()).plan(8)
         assert plan.constexprs["BLOCK_SIZE"] == block_size
-        assert plan.values[tb._CONSTEXPR_NAMES.index("BLOCK_SIZE")] == block_size
+        assert plan.values[tb._CONSTEXPR_NAMES[1].index("BLOCK_SIZE")] == block_size

@@ -1,7 +1,9 @@
 """Triton implementation: each op in one kernel launch.
 
-One kernel serves the three ops (the ``OP`` constexpr). Its 1-D grid has two
-kinds of program:
+Each op has its own entry point (``_mla_rope_cache_kernel_op1``, ``_op2``,
+``_op3``), which takes only what that op reads and writes and runs the shared
+body (``_mla_rope_cache``, with the ``OP`` constexpr) on it. The 1-D grid has
+two kinds of program:
 
 - *cache programs* (the first ``n_cache_programs``), each taking ``BLOCK_T``
   tokens: load the position and slot, rotate ``k_pe`` (write it back in place
@@ -34,15 +36,17 @@ data, overlapping the previous kernel's tail as K3's ops do. Either way the data
 a rotation takes is loaded before its rope-table rows, whose address waits for
 the position.
 
-The entry point takes 49 parameters: 11 pointers, 5 sizes, 18 strides and 15
-constexprs (sizes, op, rotation style, tiles, PDL, the cache's block size, the
-early index loads, and one store format for each of
-the two stores, the cache and the output: ``_store_mode`` names it, e.g.
+The entry points take 23 (op 1), 29 (op 2) and 29 (op 3) parameters: the
+pointers, the sizes, the data tensors' strides as one tuple bound with the
+layout (Triton's launchers take tuple arguments in the signature's nesting, the
+direct launch below too) and the constexprs (sizes, rotation style, tiles, PDL, the
+cache's block size, the early index loads, and one store format per store, the
+cache and the output: ``_store_mode`` names it, e.g.
 ``"float8_e4m3fnuz/bits/scaled"``, and the kernel derives the rounding mode, the
 scale and the fp8 format's constants from it through constexpr functions,
-``_store_params``). It took 63 while each store had seven constexprs of its own;
-the PTX (sm_90) and AMDGCN (gfx942, gfx950) of every variant compiled the same
-(docs/performance.md, "Kernels").
+``_store_params``). The one entry point for all three ops they replace took 53,
+and 63 before one store format per store; the sm_90 PTX of every variant
+compiled the same through both changes (docs/performance.md, "Kernels").
 
 fp8 outputs store ``saturate(x / scale)``: the product with the reciprocal and one
 residual step, or, in programs whose scale is a power of two (vLLM's default 1.0;
@@ -315,6 +319,9 @@ OP_DECODE = tl.constexpr(2)  # op 2: q_out = [ql_nope | rope(q_pe)], cache rows;
 OP_PREFILL = tl.constexpr(3)  # op 3: op 1 + the attention key k_out = [k_nope | rope(k_pe)]
 
 
+_NO_STORE = tl.constexpr("plain")  # the store format of an output an op does not have
+
+
 # The token count changes every step: specializing on it (==1, %16) would only add compilations;
 # num_slots too: a bound checked once per token, and scratch caches used to compile ahead must
 # not select another specialization than the real cache; key_start (op 3's decode rows in a mixed
@@ -322,9 +329,91 @@ OP_PREFILL = tl.constexpr(3)  # op 3: op 1 + the attention key k_out = [k_nope |
 # a mixed step's prefill rows start at row num_decode of vLLM's positions and slot mapping, 8
 # bytes off a 16-byte boundary when that is odd, and the variants compiled ahead (prewarm.py)
 # must serve them; the kernel reads one index per token or row, so no vector load is lost.
+#
+# Each entry point takes its data tensors' strides as one tuple, in the order of its pointers
+# (cos/sin 2, q_pe 3, k_pe 2, kv_c 2, the cache 3, then ops 2 and 3's nope input 3 and output 3),
+# bound with the layout (BoundLaunch.strides): a launch builds no tuple of its own. It comes after
+# the sizes: placed before them, ptxas (Triton 3.6) gave some variants 2 more registers for the same PTX.
+@triton.jit(do_not_specialize=["num_tokens", "n_cache_programs", "num_slots"],
+            do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])  # fmt: skip
+def _mla_rope_cache_kernel_op1(
+    pos_ptr, slot_ptr,  # [>=T] int32/int64
+    cos_sin_ptr,  # [max_pos, R], row = [cos | sin]
+    q_pe_ptr,  # [T, H, R], rotated in place
+    k_pe_ptr,  # [T, R], rotated in place
+    kv_c_ptr,  # [T, L]
+    cache_ptr,  # [num_blocks, BLOCK_SIZE, L + R]
+    cache_scale_ptr,  # [1] float32
+    num_tokens, max_pos, num_slots, n_cache_programs,
+    strides,  # (12,): cos/sin, q_pe, k_pe, kv_c, cache
+    H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, IS_NEOX: tl.constexpr, CACHE_STORE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_ROWS: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    EARLY_INDEX_LOADS: tl.constexpr,
+):  # fmt: skip
+    """Op 1: q_pe and k_pe rotated in place, [kv_c | rope(k_pe)] written to the cache."""
+    _mla_rope_cache(pos_ptr, slot_ptr, cos_sin_ptr, q_pe_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr,
+                    q_pe_ptr, q_pe_ptr, cache_scale_ptr,  # no nope input, output or output scale: never read
+                    num_tokens, max_pos, num_slots, n_cache_programs, 0,
+                    strides[0], strides[1], strides[2], strides[3], strides[4], strides[5], strides[6], strides[7],
+                    strides[8], strides[9], strides[10], strides[11], 0, 0, 0, 0, 0, 0,
+                    H, L, R, 1, IS_NEOX, OP_ROPE_CACHE, True, CACHE_STORE, _NO_STORE, BLOCK_T, BLOCK_ROWS, 1,
+                    USE_PDL, BLOCK_SIZE, EARLY_INDEX_LOADS)  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["num_tokens", "n_cache_programs", "num_slots", "key_start"],
             do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])  # fmt: skip
-def _mla_rope_cache_kernel(
+def _mla_rope_cache_kernel_op2(
+    pos_ptr, slot_ptr, cos_sin_ptr, q_pe_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr,  # as op 1's;
+    # q_pe and k_pe untouched
+    ql_nope_ptr,  # [T, H, L]
+    q_out_ptr,  # [T, H, L + R]
+    q_scale_ptr,  # [1] float32
+    num_tokens, max_pos, num_slots, n_cache_programs,
+    key_start,  # 0: every token has an output row. Passed at run time, not as the constant: with the
+    # constant, ptxas gave some variants up to 8 more registers (sm_90: 32 -> 40) for 3 fewer instructions
+    strides,  # (18,): op 1's, ql_nope, q_out
+    H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, IS_NEOX: tl.constexpr,
+    NOPE_FIRST: tl.constexpr,  # q_out = [nope | rope] (else [rope | nope])
+    CACHE_STORE: tl.constexpr, OUT_STORE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr,
+):  # fmt: skip
+    """Op 2: q_out = [ql_nope | rope(q_pe)] (rounded as OUT_STORE says), the cache rows as op 1's."""
+    _mla_rope_cache(pos_ptr, slot_ptr, cos_sin_ptr, q_pe_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr,
+                    ql_nope_ptr, q_out_ptr, q_scale_ptr, num_tokens, max_pos, num_slots, n_cache_programs, key_start,
+                    strides[0], strides[1], strides[2], strides[3], strides[4], strides[5], strides[6], strides[7],
+                    strides[8], strides[9], strides[10], strides[11], strides[12], strides[13], strides[14],
+                    strides[15], strides[16], strides[17],
+                    H, L, R, L, IS_NEOX, OP_DECODE, NOPE_FIRST, CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_ROWS, 1,
+                    USE_PDL, BLOCK_SIZE, EARLY_INDEX_LOADS)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["num_tokens", "n_cache_programs", "num_slots", "key_start"],
+            do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])  # fmt: skip
+def _mla_rope_cache_kernel_op3(
+    pos_ptr, slot_ptr, cos_sin_ptr, q_pe_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr,  # as op 1's
+    k_nope_ptr,  # [T - key_start, H, NOPE]
+    k_out_ptr,  # [T - key_start, H, NOPE + R]
+    num_tokens, max_pos, num_slots, n_cache_programs,
+    key_start,  # first token with a key row (k_nope / k_out row t - key_start)
+    strides,  # (18,): op 1's, k_nope, k_out
+    H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, NOPE: tl.constexpr, IS_NEOX: tl.constexpr,
+    CACHE_STORE: tl.constexpr, OUT_STORE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # heads per k_out store in a cache program
+    USE_PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr,
+):  # fmt: skip
+    """Op 3: op 1's work, and the attention key k_out = [k_nope | rope(k_pe)] of tokens from key_start on."""
+    _mla_rope_cache(pos_ptr, slot_ptr, cos_sin_ptr, q_pe_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr,
+                    k_nope_ptr, k_out_ptr, cache_scale_ptr,  # the key has no scale: never read
+                    num_tokens, max_pos, num_slots, n_cache_programs, key_start,
+                    strides[0], strides[1], strides[2], strides[3], strides[4], strides[5], strides[6], strides[7],
+                    strides[8], strides[9], strides[10], strides[11], strides[12], strides[13], strides[14],
+                    strides[15], strides[16], strides[17],
+                    H, L, R, NOPE, IS_NEOX, OP_PREFILL, True, CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_ROWS, BLOCK_H,
+                    USE_PDL, BLOCK_SIZE, EARLY_INDEX_LOADS)  # fmt: skip
+
+
+@triton.jit
+def _mla_rope_cache(
     # pointers
     pos_ptr,  # [>=T] int32/int64
     slot_ptr,  # [>=T] int32/int64
@@ -368,6 +457,8 @@ def _mla_rope_cache_kernel(
     BLOCK_SIZE: tl.constexpr,  # the cache's block size (slot // BLOCK_SIZE: no division by a runtime value)
     EARLY_INDEX_LOADS: tl.constexpr,  # with USE_PDL: positions, slots and cos/sin read before the wait (BoundLaunch)
 ):  # fmt: skip
+    """The three ops' body: each entry point passes its op, its tensors, and stand-ins that its op
+    never reads for the rest (op 1: no nope input or output; ops 1 and 2: ``key_start`` 0)."""
     BLOCK_R2: tl.constexpr = _pow2_at_least(R // 2)  # the rotation's half-width, padded for tl.arange
     BLOCK_L: tl.constexpr = _row_step(L)  # latent columns per step (cache rows)
     BLOCK_N: tl.constexpr = _row_step(NOPE)  # nope columns per step (query programs, ops 2 and 3)
@@ -709,11 +800,20 @@ def _launch_config_for(p: Problem, op: int, sms: int, pdl: bool) -> dict:
                 num_warps=4, USE_PDL=pdl)  # fmt: skip
 
 
-# The kernel's constexprs in signature order: a compiled kernel's launcher takes every argument,
-# constexprs included, in that order. Read from the Python source so that Triton's interpreter,
-# which keeps no parameter list, agrees.
-_CONSTEXPR_NAMES = tuple(name for name, prm in inspect.signature(_mla_rope_cache_kernel.fn).parameters.items()
-                         if "constexpr" in str(prm.annotation))  # fmt: skip
+# Each op's entry point.
+_KERNELS = {OP_ROPE_CACHE.value: _mla_rope_cache_kernel_op1, OP_DECODE.value: _mla_rope_cache_kernel_op2,
+            OP_PREFILL.value: _mla_rope_cache_kernel_op3}  # fmt: skip
+
+
+def _constexpr_names(kernel) -> tuple:
+    """A kernel's constexprs in signature order: a compiled kernel's launcher takes every argument,
+    constexprs included, in that order. Read from the Python source so that Triton's interpreter,
+    which keeps no parameter list, agrees."""
+    return tuple(name for name, prm in inspect.signature(kernel.fn).parameters.items()
+                 if "constexpr" in str(prm.annotation))  # fmt: skip
+
+
+_CONSTEXPR_NAMES = {op: _constexpr_names(kernel) for op, kernel in _KERNELS.items()}
 # The data pointers Triton specializes on 16-byte alignment (every pointer but the index tensors').
 _ALIGNMENT_MASK = 15
 
@@ -769,10 +869,10 @@ class BoundLaunch:
             BLOCK_SIZE=kv_cache.shape[1],
         )  # fmt: skip
         k_pe2, kv_c2 = _rows_2d(k_pe), _rows_2d(kv_c)
-        n_strides = nope.stride() if out is not None else (0, 0, 0)
-        o_strides = out.stride() if out is not None else (0, 0, 0)
-        self.strides = (cos_sin_cache.stride(0), cos_sin_cache.stride(1), *q_pe.stride(), *k_pe2.stride(),
-                        *kv_c2.stride(), *kv_cache.stride(), *n_strides, *o_strides)  # fmt: skip
+        # The data tensors' strides, one tuple in the kernel's pointer order (op 1: no nope input or output).
+        self.strides = (*cos_sin_cache.stride(), *q_pe.stride(), *k_pe2.stride(), *kv_c2.stride(), *kv_cache.stride(),
+                        *((*nope.stride(), *out.stride()) if out is not None else ()))  # fmt: skip
+        self.kernel, self.constexpr_names = _KERNELS[op], _CONSTEXPR_NAMES[op]
         self.max_pos, self.block_size = cos_sin_cache.shape[0], kv_cache.shape[1]
         self.num_slots = kv_cache.shape[0] * kv_cache.shape[1]
         # The kernel reads the index tensors at unit stride (vLLM's are contiguous); another
@@ -807,7 +907,8 @@ class BoundLaunch:
                           BLOCK_H=cfg["BLOCK_H"],
                           USE_PDL=cfg["USE_PDL"],
                           EARLY_INDEX_LOADS=self.early_index_loads and cfg["USE_PDL"])  # fmt: skip
-        values = tuple(constexprs[name] for name in _CONSTEXPR_NAMES)
+        constexprs = {name: constexprs[name] for name in self.constexpr_names}
+        values = tuple(constexprs.values())
         n_cache = _cdiv(T, cfg["BLOCK_T"])
         plan = _Plan(n_cache + _cdiv(T * self.p.num_heads, cfg["BLOCK_ROWS"]), n_cache, cfg["num_warps"],
                      constexprs, values)  # fmt: skip
@@ -847,14 +948,26 @@ class BoundLaunch:
         self._launch_through_triton(plan, T, num_slots, key_start, positions, q_pe, k_pe, kv_c, cos_sin_cache,
                                     slot_mapping, kv_cache, kv_cache_scale, nope, out, out_scale)  # fmt: skip
 
+    def arguments(self, T: int, num_slots: int, n_cache: int, key_start: int, positions, slot_mapping, cos_sin,
+                  q_pe, k_pe, kv_c, cache, cache_scale, nope, out, out_scale) -> tuple:  # fmt: skip
+        """The op's kernel arguments before its constexprs, in its signature's order, for tensors or
+        their addresses alike: what the op does not take left out."""
+        if self.op == OP_ROPE_CACHE.value:
+            return (positions, slot_mapping, cos_sin, q_pe, k_pe, kv_c, cache, cache_scale, T, self.max_pos,
+                    num_slots, n_cache, self.strides)  # fmt: skip
+        if self.op == OP_DECODE.value:
+            return (positions, slot_mapping, cos_sin, q_pe, k_pe, kv_c, cache, cache_scale, nope, out, out_scale, T,
+                    self.max_pos, num_slots, n_cache, 0, self.strides)  # fmt: skip
+        return (positions, slot_mapping, cos_sin, q_pe, k_pe, kv_c, cache, cache_scale, nope, out, T, self.max_pos,
+                num_slots, n_cache, key_start, self.strides)  # fmt: skip
+
     def _launch(self, plan: _Plan, T: int, num_slots: int, key_start: int, positions, slot_mapping,
                 data: tuple) -> None:  # fmt: skip
         cs, q, k, c, cache, cache_scale, nope, out, out_scale = data
         launcher, function, packed_metadata, kernel = plan.compiled
         stream = self._current_stream(self.device_index)
-        args = (positions.data_ptr(), slot_mapping.data_ptr(), cs, q, k, c, cache, cache_scale, nope, out, out_scale,
-                T, self.max_pos, num_slots, plan.n_cache, key_start, *self.strides,
-                *plan.values)  # fmt: skip
+        args = self.arguments(T, num_slots, plan.n_cache, key_start, positions.data_ptr(), slot_mapping.data_ptr(),
+                              cs, q, k, c, cache, cache_scale, nope, out, out_scale) + plan.values  # fmt: skip
         if _no_launch_hooks():
             # The compiled kernel's launcher, called as Triton's own launch path calls it; with no
             # launch hook there is no launch metadata to build (docs/performance-history.md, "Host path").
@@ -875,11 +988,11 @@ class BoundLaunch:
         gpu = self.device_index
         on_other_gpu = gpu is not None and gpu != self._current_device()
         with torch.cuda.device(gpu) if on_other_gpu else contextlib.nullcontext():
-            kernel = _mla_rope_cache_kernel[(plan.grid,)](
-                positions, slot_mapping, cos_sin_cache, q_pe, _rows_2d(k_pe), _rows_2d(kv_c), cache,
-                kv_cache_scale if kv_cache_scale is not None else dummy, nope, out,
-                out_scale if out_scale is not None else dummy,
-                T, self.max_pos, num_slots, plan.n_cache, key_start, *self.strides,
+            kernel = self.kernel[(plan.grid,)](
+                *self.arguments(T, num_slots, plan.n_cache, key_start, positions, slot_mapping, cos_sin_cache, q_pe,
+                                _rows_2d(k_pe), _rows_2d(kv_c), cache,
+                                kv_cache_scale if kv_cache_scale is not None else dummy, nope, out,
+                                out_scale if out_scale is not None else dummy),
                 **plan.constexprs, num_warps=plan.num_warps, **({"launch_pdl": True} if self.pdl else {}),
             )  # fmt: skip
         aligned = all(t.data_ptr() % 16 == 0 for t in (cos_sin_cache, q_pe, k_pe, kv_c, kv_cache, nope, out)
