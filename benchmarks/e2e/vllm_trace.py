@@ -62,7 +62,8 @@ HOST_CATEGORIES = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "
 COMPILED_PIECE_RE = re.compile(r"^## Call CompiledFxGraph .* ##$")
 COMPILED_PIECE = "compiled pieces (## Call CompiledFxGraph ##)"
 
-# The project's one kernel (vllm_mla_fusion/backends/triton.py); every fused op launches it.
+# The prefix of the project's kernels (vllm_mla_fusion/backends/triton.py: one entry point per op,
+# _mla_rope_cache_kernel_op1 / _op2 / _op3); every fused op launches one of them.
 FUSED_KERNEL = "_mla_rope_cache_kernel"
 # Kernels of the chain the plugin replaces, as vLLM 0.33 names them: its RoPE CUDA kernel
 # (custom op rotary_embedding), its MLA cache write (concat_and_cache_mla), the decode

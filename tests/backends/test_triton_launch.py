@@ -306,20 +306,25 @@ def _compiled_kernel(op: int):
     return fn if isinstance(fn, JITFunction) else JITFunction(fn.fn, **fn.kwargs)
 
 
-def _triton_specialization(monkeypatch, positions, slots, misaligned_nope: bool = False):
-    """What Triton's binder (for an sm_90 target; no GPU needed) specializes an op 3 launch on,
-    for CPU tensors laid out as vLLM's prefill rows of a mixed step."""
+def _triton_specialization(monkeypatch, op: int, positions, slots, misaligned_data: bool = False):
+    """What Triton's binder (for an sm_90 target; no GPU needed) specializes an ``op`` launch on,
+    for CPU tensors laid out as vLLM's rows of a mixed step; ``misaligned_data``: one data tensor
+    (op 1's kv_c and k_pe, ops 2 and 3's nope input) 2 bytes off its 16-byte boundary."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
     T, H, L, R, P = positions.shape[0], 16, 512, 64, 128
     g = torch.Generator().manual_seed(3)
+    off = int(misaligned_data)
     q = torch.randn(T, H, P + R, generator=g, dtype=torch.bfloat16)
-    kv = torch.randn(T, L + R, dtype=torch.bfloat16, generator=g)
-    k_nope = torch.randn(T * H * P + 1, dtype=torch.bfloat16, generator=g)[int(misaligned_nope):][: T * H * P]
-    k_nope = k_nope.view(T, H, P)
-    k_out = torch.empty(T, H, P + R, dtype=torch.bfloat16)
+    kv = torch.randn(T * (L + R) + 1, dtype=torch.bfloat16, generator=g)[off if op == 1 else 0:][: T * (L + R)]
+    kv = kv.view(T, L + R)
+    nope = out = None
+    if op != 1:
+        width = L if op == 2 else P
+        nope = torch.randn(T * H * width + 1, dtype=torch.bfloat16, generator=g)[off:][: T * H * width]
+        nope, out = nope.view(T, H, width), torch.empty(T, H, width + R, dtype=torch.bfloat16)
     cos_sin = torch.randn(4096, R, generator=g)
     cache = torch.empty(8, 16, L + R, dtype=torch.bfloat16)
     calls = []
@@ -328,34 +333,35 @@ def _triton_specialization(monkeypatch, positions, slots, misaligned_nope: bool 
         def __getitem__(self, grid):
             return lambda *args, num_warps, launch_pdl=False, **constexprs: calls.append((args, constexprs))
 
-    monkeypatch.setitem(tb._KERNELS, 3, Recorder())
-    p = Problem(T, H, L, R, torch.bfloat16, nope_dim=P, k_out_dtype=torch.bfloat16)
-    launch = tb.bind(p, 3, True, True, positions, q[..., P:], kv[:, L:].unsqueeze(1), kv[:, :L], cos_sin, slots,
-                     cache, None, k_nope, k_out, None)  # fmt: skip
-    launch(T, positions, q[..., P:], kv[:, L:].unsqueeze(1), kv[:, :L], cos_sin, slots, cache, None, k_nope, k_out,
-           None)  # fmt: skip
+    monkeypatch.setitem(tb._KERNELS, op, Recorder())
+    p = Problem(T, H, L, R, torch.bfloat16, nope_dim=P if op == 3 else None,
+                k_out_dtype=torch.bfloat16 if op == 3 else None)  # fmt: skip
+    tensors = (positions, q[..., P:], kv[:, L:].unsqueeze(1), kv[:, :L], cos_sin, slots, cache, None, nope, out, None)
+    tb.bind(p, op, True, True, *tensors)(T, *tensors)
     (runtime, constexprs), = calls
     monkeypatch.undo()
-    fn = _compiled_kernel(3)
+    fn = _compiled_kernel(op)
     binder = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
     return binder(*runtime, **constexprs)[1]
 
 
-def test_index_tensors_at_any_offset_share_one_compiled_variant(monkeypatch):
+@pytest.mark.parametrize("op", [1, 2, 3])
+def test_index_tensors_at_any_offset_share_one_compiled_variant(monkeypatch, op):
     """The prefill rows of a mixed step start at row num_decode of vLLM's positions and slot
     mapping: with an odd number of decode tokens their int64 pointers are 8 bytes off a
     16-byte boundary. The kernel's variants are compiled ahead in vLLM's profile run with
     aligned index tensors, so Triton must not specialize on the index pointers' alignment
     (it did: a 0.4-0.9 s compile inside the first such step on the H200, fp8 run of
-    2026-12-01), while it still does on the data pointers, whose vector loads it speeds up."""
+    2026-12-01), while it still does on the data pointers, whose vector loads it speeds up.
+    Each op's entry point."""
     T = 64
     positions, slots = torch.arange(T + 1) + 5, torch.arange(T + 1) * 3
-    aligned = _triton_specialization(monkeypatch, positions[:T], slots[:T])
+    aligned = _triton_specialization(monkeypatch, op, positions[:T], slots[:T])
     assert positions[1:].data_ptr() % 16 == 8
-    assert _triton_specialization(monkeypatch, positions[1:], slots[1:]) == aligned
-    assert _triton_specialization(monkeypatch, positions[1:].int(), slots[1:].int()) != aligned  # int32: a dtype
+    assert _triton_specialization(monkeypatch, op, positions[1:], slots[1:]) == aligned
+    assert _triton_specialization(monkeypatch, op, positions[1:].int(), slots[1:].int()) != aligned  # a dtype
     # A data pointer's alignment still selects a variant (the check above can see alignment).
-    assert _triton_specialization(monkeypatch, positions[:T], slots[:T], misaligned_nope=True) != aligned
+    assert _triton_specialization(monkeypatch, op, positions[:T], slots[:T], misaligned_data=True) != aligned
 
 
 @pytest.mark.parametrize("op", [1, 2, 3])
@@ -419,3 +425,12 @@ def test_the_block_size_is_a_constexpr_of_the_bound_layout():
         plan = tb.bind(p, 1, True, True, *dict(t, kv_cache=cache).values()).plan(8)
         assert plan.constexprs["BLOCK_SIZE"] == block_size
         assert plan.values[tb._CONSTEXPR_NAMES[1].index("BLOCK_SIZE")] == block_size
+
+
+def test_the_prefill_key_takes_no_output_scale():
+    """Op 3's entry point has no output scale (the key is cast without one): a scale passed to its
+    binding is refused, not dropped."""
+    t = dict(_tensors(3, 8), out_scale=torch.ones(()))
+    p = Problem(8, 4, 32, 16, torch.float32, nope_dim=8)
+    with pytest.raises(ValueError, match="out_scale"):
+        tb.bind(p, 3, True, True, *t.values())

@@ -46,7 +46,8 @@ cache and the output: ``_store_mode`` names it, e.g.
 scale and the fp8 format's constants from it through constexpr functions,
 ``_store_params``). The one entry point for all three ops they replace took 53,
 and 63 before one store format per store; the sm_90 PTX of every variant
-compiled the same through both changes (docs/performance.md, "Kernels").
+compiled the same through both changes, up to register numbering
+(docs/performance.md, "Kernels").
 
 fp8 outputs store ``saturate(x / scale)``: the product with the reciprocal and one
 residual step, or, in programs whose scale is a power of two (vLLM's default 1.0;
@@ -860,8 +861,11 @@ class BoundLaunch:
         device = q_pe.device
         self.p, self.op, self.device = p, op, device
         self.out_dtype = out.dtype if out is not None else None
+        if op == OP_PREFILL.value and out_scale is not None:
+            # Its entry point has no output scale (vLLM casts the key without one): never drop one silently.
+            raise ValueError("out_scale: the prefill key (op 3) is stored without a scale; pass None")
         self.cache_view, cache_store = _store_mode(p.cache_dtype, kv_cache_scale is not None, device)
-        # Op 1 has no output of its own: its output slots take q_pe, stored plainly.
+        # Op 1 has no output of its own ("plain", unused: its entry point passes none).
         self.out_view, out_store = _store_mode(self.out_dtype, out_scale is not None, device)
         self.base_constexprs = dict(
             H=p.num_heads, L=p.kv_lora_rank, R=p.rope_dim, NOPE=nope.shape[-1] if out is not None else 1,
@@ -983,7 +987,7 @@ class BoundLaunch:
         if out is not None:
             out = _store_view(out, self.out_dtype, self.out_view)
         else:
-            out = nope = q_pe  # op 1: any tensors of the right kind fill the slots
+            out = nope = q_pe  # op 1 takes neither: stand-ins for the alignment check below
         dummy = cos_sin_cache  # scale pointers must be valid tensors even when unused
         gpu = self.device_index
         on_other_gpu = gpu is not None and gpu != self._current_device()
