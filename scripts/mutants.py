@@ -174,8 +174,8 @@ MUTANTS = [
            "pos = tl.minimum(tl.maximum(pos, 0), max_pos)  # clamp: never read past the table",
            f"{OPS} -k 'layouts and out_of_range'", "k_pe and q_pe rotated with the row past the table"),
     Mutant("query-table-rows-unclamped", K,
-           "    if not EARLY_INDEX_LOADS:\n        cos, sin = _load_cos_sin(cos_sin_ptr, pos, max_pos, r_mask,",
-           "    if not EARLY_INDEX_LOADS:\n        cos, sin = _load_cos_sin(cos_sin_ptr, pos, 2**30, r_mask,",
+           "    if not EARLY_INDEX_LOADS:\n        cos, sin = _load_cos_sin(rope, pos, max_pos, r_mask,",
+           "    if not EARLY_INDEX_LOADS:\n        cos, sin = _load_cos_sin(rope, pos, 2**30, r_mask,",
            f"{OPS} -k 'layouts and out_of_range'", "q_pe rotated with a row past the table"),
     Mutant("neox-pairing-power-of-two", K,
            "x2 = tl.load(x_ptr + row_off[:, None] + (i[None, :] + R // 2) * stride_x, mask=m2, other=0.0)",
@@ -227,16 +227,16 @@ MUTANTS = [
            "tests/backends/test_triton_launch.py -k early_index_loads",
            "early loads of the index copy the host launched just before"),
     Mutant("early-query-table-rows-of-the-token", K,
-           "cos, sin = _load_cos_sin(cos_sin_ptr, pos, max_pos, r_mask, R, BLOCK_R2, stride_cs_p, stride_cs_r)\n"
+           "cos, sin = _load_cos_sin(rope, pos, max_pos, r_mask, R, BLOCK_R2)\n"
            "        _wait_for_inputs(USE_PDL)",
-           "cos, sin = _load_cos_sin(cos_sin_ptr, t, max_pos, r_mask, R, BLOCK_R2, stride_cs_p, stride_cs_r)\n"
+           "cos, sin = _load_cos_sin(rope, t, max_pos, r_mask, R, BLOCK_R2)\n"
            "        _wait_for_inputs(USE_PDL)",
            "tests/test_binding.py -k early_index_loads_change_no_byte",
            "the early copy of the query programs' table load takes the token index for the position"),
     Mutant("early-cache-programs-never-wait", K,
-           "cos, sin = _load_cos_sin(cos_sin_ptr, pos, max_pos, t_mask, R, BLOCK_R2, stride_cs_p, stride_cs_r)\n"
+           "cos, sin = _load_cos_sin(rope, pos, max_pos, t_mask, R, BLOCK_R2)\n"
            "        _wait_for_inputs(USE_PDL)",
-           "cos, sin = _load_cos_sin(cos_sin_ptr, pos, max_pos, t_mask, R, BLOCK_R2, stride_cs_p, stride_cs_r)\n",
+           "cos, sin = _load_cos_sin(rope, pos, max_pos, t_mask, R, BLOCK_R2)\n",
            "tests/backends/test_triton_cuda_compile.py -k 'index_and_table_loads and rope_cache_write and bfloat16'",
            "early loads on, and the cache programs read k_pe and kv_c without waiting for their writer"),
     Mutant("plugin-early-promise-dropped", "vllm_mla_fusion/vllm_plugin/attention.py",

@@ -294,6 +294,19 @@ def test_each_op_has_an_entry_point_of_fewer_than_31_parameters(op):
     assert n == pointers + 1 + sizes and all(constexpr[n:]) and len(params) == n + constexprs < 31
 
 
+
+def test_no_kernel_helper_takes_more_than_10_arguments():
+    """Issue 41's S3: below the entry points, every @triton.jit helper of the backend takes at most 10
+    arguments (tensors travel with their strides as tuples). Found from the module, so a new helper is
+    covered too."""
+    entry_points = {k.fn for k in tb._KERNELS.values()}
+    helpers = {name: obj.fn for name, obj in vars(tb).items()
+               if hasattr(obj, "fn") and inspect.isfunction(obj.fn) and obj.fn not in entry_points
+               and obj.fn.__module__ == tb.__name__}  # fmt: skip
+    assert {"_mla_rope_cache", "_cache_program", "_query_program", "_load_cos_sin"} <= set(helpers)
+    too_many = {name: n for name, fn in helpers.items() if (n := len(inspect.signature(fn).parameters)) > 10}
+    assert not too_many, too_many
+
 # --- Triton's own specialization of the kernel's arguments ---------------------------------
 
 

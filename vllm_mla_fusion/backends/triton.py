@@ -44,9 +44,13 @@ cache's block size, the early index loads, and one store format per store, the
 cache and the output: ``_store_mode`` names it, e.g.
 ``"float8_e4m3fnuz/bits/scaled"``, and the kernel derives the rounding mode, the
 scale and the fp8 format's constants from it through constexpr functions,
-``_store_params``). The one entry point for all three ops they replace took 53,
-and 63 before one store format per store; the sm_90 PTX of every variant
-compiled the same through both changes, up to register numbering
+``_store_params``). Inside, each tensor travels with its strides (and the cache with
+its slots, an fp8 output with its scale) as one tuple, the sizes as one and the
+constexprs as two (``dims``, ``meta``), so no helper takes more than 10 arguments;
+Triton unpacks tuples while it compiles, and the sm_90 PTX is byte-identical to
+the one with every argument spelled out. The one entry point for all three ops
+they replace took 53, and 63 before one store format per store; the sm_90 PTX of
+every variant compiled the same through those changes, up to register numbering
 (docs/performance.md, "Kernels").
 
 fp8 outputs store ``saturate(x / scale)``: the product with the reciprocal and one
@@ -244,11 +248,11 @@ def _round_for_store(x, scale, inv_scale, out_ptr, STORE: tl.constexpr):
 
 
 @triton.jit
-def _load_cos_sin(cos_ptr, pos, max_pos, mask, R: tl.constexpr, BLOCK_R2: tl.constexpr, stride_cs_p,
-                  stride_cs):  # fmt: skip
-    """The rope table's rows ``[cos | sin]`` (``cos_ptr``: the table) at positions ``pos``, clamped
-    into ``[0, max_pos)``, as ``(cos, sin)`` ``[ROWS, BLOCK_R2]`` in float32 (1 and 0 where
-    ``mask`` is off)."""
+def _load_cos_sin(rope, pos, max_pos, mask, R: tl.constexpr, BLOCK_R2: tl.constexpr):
+    """The rope table's rows ``[cos | sin]`` (``rope``: the positions and the table, as the
+    entry points pass them) at positions ``pos``, clamped into ``[0, max_pos)``, as ``(cos, sin)``
+    ``[ROWS, BLOCK_R2]`` in float32 (1 and 0 where ``mask`` is off)."""
+    cos_ptr, stride_cs_p, stride_cs = rope[1], rope[2], rope[3]
     pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)  # clamp: never read past the table
     cs_off = pos * stride_cs_p
     sin_ptr = cos_ptr + (R // 2) * stride_cs
@@ -335,6 +339,18 @@ _NO_STORE = tl.constexpr("plain")  # the store format of an output an op does no
 # (cos/sin 2, q_pe 3, k_pe 2, kv_c 2, the cache 3, then ops 2 and 3's nope input 3 and output 3),
 # bound with the layout (BoundLaunch.strides): a launch builds no tuple of its own. It comes after
 # the sizes: placed before them, ptxas (Triton 3.6) gave some variants 2 more registers for the same PTX.
+#
+# Inside the kernel each tensor travels as one tuple with what indexes it (all of it unpacked at
+# compile time: the tuples cost no instruction):
+#   rope   (pos_ptr, cos_sin_ptr, stride_p, stride_r): the positions and the table they index
+#   q_pe   (ptr, stride_t, stride_h, stride_r)          k_pe, kv_c   (ptr, stride_t, stride_col)
+#   cache  (slot_ptr, ptr, scale_ptr, stride_block, stride_slot, stride_d, BLOCK_SIZE): the slots
+#          index it; BLOCK_SIZE its block size, a constexpr (no division by a runtime value)
+#   nope   (ptr, stride_t, stride_h, stride_d)          out  (ptr, scale_ptr, stride_t, stride_h, stride_d)
+#   sizes  (num_tokens, max_pos, num_slots, key_start, n_cache_programs)
+#   dims   (H, L, R, NOPE), constexprs: NOPE is the nope input's width (L for op 2, P for op 3)
+#   meta   (OP, IS_NEOX, NOPE_FIRST, CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_ROWS, BLOCK_H, USE_PDL,
+#          EARLY_INDEX_LOADS), constexprs: the _mla_rope_cache docstring says what each is
 @triton.jit(do_not_specialize=["num_tokens", "n_cache_programs", "num_slots"],
             do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])  # fmt: skip
 def _mla_rope_cache_kernel_op1(
@@ -352,13 +368,18 @@ def _mla_rope_cache_kernel_op1(
     EARLY_INDEX_LOADS: tl.constexpr,
 ):  # fmt: skip
     """Op 1: q_pe and k_pe rotated in place, [kv_c | rope(k_pe)] written to the cache."""
-    _mla_rope_cache(pos_ptr, slot_ptr, cos_sin_ptr, q_pe_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr,
-                    q_pe_ptr, q_pe_ptr, cache_scale_ptr,  # no nope input, output or output scale: never read
-                    num_tokens, max_pos, num_slots, n_cache_programs, 0,
-                    strides[0], strides[1], strides[2], strides[3], strides[4], strides[5], strides[6], strides[7],
-                    strides[8], strides[9], strides[10], strides[11], 0, 0, 0, 0, 0, 0,
-                    H, L, R, 1, IS_NEOX, OP_ROPE_CACHE, True, CACHE_STORE, _NO_STORE, BLOCK_T, BLOCK_ROWS, 1,
-                    USE_PDL, BLOCK_SIZE, EARLY_INDEX_LOADS)  # fmt: skip
+    _mla_rope_cache(
+        (pos_ptr, cos_sin_ptr, strides[0], strides[1]),
+        (q_pe_ptr, strides[2], strides[3], strides[4]),
+        (k_pe_ptr, strides[5], strides[6]),
+        (kv_c_ptr, strides[7], strides[8]),
+        (slot_ptr, cache_ptr, cache_scale_ptr, strides[9], strides[10], strides[11], BLOCK_SIZE),
+        (q_pe_ptr, 0, 0, 0),  # no nope input
+        (q_pe_ptr, cache_scale_ptr, 0, 0, 0),  # no output: neither is read
+        (num_tokens, max_pos, num_slots, 0, n_cache_programs),
+        (H, L, R, 1),
+        (OP_ROPE_CACHE, IS_NEOX, True, CACHE_STORE, _NO_STORE, BLOCK_T, BLOCK_ROWS, 1, USE_PDL, EARLY_INDEX_LOADS),
+    )
 
 
 @triton.jit(do_not_specialize=["num_tokens", "n_cache_programs", "num_slots", "key_start"],
@@ -379,13 +400,18 @@ def _mla_rope_cache_kernel_op2(
     USE_PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr,
 ):  # fmt: skip
     """Op 2: q_out = [ql_nope | rope(q_pe)] (rounded as OUT_STORE says), the cache rows as op 1's."""
-    _mla_rope_cache(pos_ptr, slot_ptr, cos_sin_ptr, q_pe_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr,
-                    ql_nope_ptr, q_out_ptr, q_scale_ptr, num_tokens, max_pos, num_slots, n_cache_programs, key_start,
-                    strides[0], strides[1], strides[2], strides[3], strides[4], strides[5], strides[6], strides[7],
-                    strides[8], strides[9], strides[10], strides[11], strides[12], strides[13], strides[14],
-                    strides[15], strides[16], strides[17],
-                    H, L, R, L, IS_NEOX, OP_DECODE, NOPE_FIRST, CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_ROWS, 1,
-                    USE_PDL, BLOCK_SIZE, EARLY_INDEX_LOADS)  # fmt: skip
+    _mla_rope_cache(
+        (pos_ptr, cos_sin_ptr, strides[0], strides[1]),
+        (q_pe_ptr, strides[2], strides[3], strides[4]),
+        (k_pe_ptr, strides[5], strides[6]),
+        (kv_c_ptr, strides[7], strides[8]),
+        (slot_ptr, cache_ptr, cache_scale_ptr, strides[9], strides[10], strides[11], BLOCK_SIZE),
+        (ql_nope_ptr, strides[12], strides[13], strides[14]),
+        (q_out_ptr, q_scale_ptr, strides[15], strides[16], strides[17]),
+        (num_tokens, max_pos, num_slots, key_start, n_cache_programs),
+        (H, L, R, L),
+        (OP_DECODE, IS_NEOX, NOPE_FIRST, CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_ROWS, 1, USE_PDL, EARLY_INDEX_LOADS),
+    )
 
 
 @triton.jit(do_not_specialize=["num_tokens", "n_cache_programs", "num_slots", "key_start"],
@@ -403,66 +429,39 @@ def _mla_rope_cache_kernel_op3(
     USE_PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr,
 ):  # fmt: skip
     """Op 3: op 1's work, and the attention key k_out = [k_nope | rope(k_pe)] of tokens from key_start on."""
-    _mla_rope_cache(pos_ptr, slot_ptr, cos_sin_ptr, q_pe_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr,
-                    k_nope_ptr, k_out_ptr, cache_scale_ptr,  # the key has no scale: never read
-                    num_tokens, max_pos, num_slots, n_cache_programs, key_start,
-                    strides[0], strides[1], strides[2], strides[3], strides[4], strides[5], strides[6], strides[7],
-                    strides[8], strides[9], strides[10], strides[11], strides[12], strides[13], strides[14],
-                    strides[15], strides[16], strides[17],
-                    H, L, R, NOPE, IS_NEOX, OP_PREFILL, True, CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_ROWS, BLOCK_H,
-                    USE_PDL, BLOCK_SIZE, EARLY_INDEX_LOADS)  # fmt: skip
+    _mla_rope_cache(
+        (pos_ptr, cos_sin_ptr, strides[0], strides[1]),
+        (q_pe_ptr, strides[2], strides[3], strides[4]),
+        (k_pe_ptr, strides[5], strides[6]),
+        (kv_c_ptr, strides[7], strides[8]),
+        (slot_ptr, cache_ptr, cache_scale_ptr, strides[9], strides[10], strides[11], BLOCK_SIZE),
+        (k_nope_ptr, strides[12], strides[13], strides[14]),
+        (k_out_ptr, cache_scale_ptr, strides[15], strides[16], strides[17]),  # the key has no scale: never read
+        (num_tokens, max_pos, num_slots, key_start, n_cache_programs),
+        (H, L, R, NOPE),
+        (OP_PREFILL, IS_NEOX, True, CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_ROWS, BLOCK_H, USE_PDL, EARLY_INDEX_LOADS),
+    )
 
 
 @triton.jit
-def _mla_rope_cache(
-    # pointers
-    pos_ptr,  # [>=T] int32/int64
-    slot_ptr,  # [>=T] int32/int64
-    cos_sin_ptr,  # [max_pos, R], row = [cos | sin]
-    q_pe_ptr,  # [T, H, R]; ops 1 and 3 rotate it in place
-    k_pe_ptr,  # [T, R]; ops 1 and 3 rotate it in place
-    kv_c_ptr,  # [T, L]
-    cache_ptr,  # [num_blocks, block_size, L + R] (uint8 when fp8 bits are encoded here)
-    cache_scale_ptr,  # [1] float32
-    nope_ptr,  # op 2: ql_nope [T, H, L]; op 3: k_nope [T, H, P]
-    out_ptr,  # op 2: q_out [T, H, L + R]; op 3: k_out [T, H, P + R]
-    out_scale_ptr,  # [1] float32 (op 2's q_scale)
-    # sizes
-    num_tokens,
-    max_pos,
-    num_slots,  # num_blocks * BLOCK_SIZE: slots at or past it write nothing
-    n_cache_programs,
-    key_start,  # op 3: first token with a key row (k_nope / k_out row t - key_start); 0 for ops 1 and 2
-    # strides (elements)
-    stride_cs_p, stride_cs_r,
-    stride_q_t, stride_q_h, stride_q_r,
-    stride_k_t, stride_k_r,
-    stride_c_t, stride_c_l,
-    stride_kv_b, stride_kv_s, stride_kv_d,
-    stride_n_t, stride_n_h, stride_n_d,
-    stride_o_t, stride_o_h, stride_o_d,
-    # meta-parameters
-    H: tl.constexpr,
-    L: tl.constexpr,
-    R: tl.constexpr,
-    NOPE: tl.constexpr,  # width of the nope input: L (op 2), P (op 3); unused by op 1
-    IS_NEOX: tl.constexpr,
-    OP: tl.constexpr,  # OP_ROPE_CACHE, OP_DECODE or OP_PREFILL
-    NOPE_FIRST: tl.constexpr,  # op 2: q_out = [nope | rope] (else [rope | nope])
-    CACHE_STORE: tl.constexpr,  # the cache's store format (_store_params): rounding, fp8 format, scale
-    OUT_STORE: tl.constexpr,  # the output's (op 1: q_pe's slots, "plain")
-    BLOCK_T: tl.constexpr,  # tokens per cache program
-    BLOCK_ROWS: tl.constexpr,  # (token, head) rows per query program
-    BLOCK_H: tl.constexpr,  # heads per k_out store in a cache program (op 3)
-    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (sm_90+)
-    BLOCK_SIZE: tl.constexpr,  # the cache's block size (slot // BLOCK_SIZE: no division by a runtime value)
-    EARLY_INDEX_LOADS: tl.constexpr,  # with USE_PDL: positions, slots and cos/sin read before the wait (BoundLaunch)
-):  # fmt: skip
-    """The three ops' body: each entry point passes its op, its tensors, and stand-ins that its op
-    never reads for the rest (op 1: no nope input or output; ops 1 and 2: ``key_start`` 0)."""
-    BLOCK_R2: tl.constexpr = _pow2_at_least(R // 2)  # the rotation's half-width, padded for tl.arange
-    BLOCK_L: tl.constexpr = _row_step(L)  # latent columns per step (cache rows)
-    BLOCK_N: tl.constexpr = _row_step(NOPE)  # nope columns per step (query programs, ops 2 and 3)
+def _mla_rope_cache(rope, q_pe, k_pe, kv_c, cache, nope, out, sizes, dims, meta):
+    """The three ops' body (the tuples as the comment above the entry points says): each entry
+    point passes its op, its tensors, and stand-ins that its op never reads for the rest (op 1:
+    no nope input or output; ops 1 and 2: ``key_start`` 0). The cache programs come first in the
+    grid, ``n_cache_programs`` of them; the query programs follow.
+
+    ``meta``: OP (OP_ROPE_CACHE, OP_DECODE or OP_PREFILL); IS_NEOX; NOPE_FIRST (op 2: q_out =
+    [nope | rope], else [rope | nope]); CACHE_STORE and OUT_STORE, the store formats of the cache
+    and the output (_store_params: rounding, fp8 format, scale; op 1's output is "plain"); BLOCK_T,
+    tokens per cache program; BLOCK_ROWS, (token, head) rows per query program; BLOCK_H, heads per
+    k_out store in a cache program (op 3); USE_PDL, launched with programmatic dependent launch
+    (sm_90+); EARLY_INDEX_LOADS, with USE_PDL: positions, slots and cos/sin read before the wait
+    (BoundLaunch)."""
+    CACHE_STORE: tl.constexpr = meta[3]
+    OUT_STORE: tl.constexpr = meta[4]
+    USE_PDL: tl.constexpr = meta[8]
+    EARLY_INDEX_LOADS: tl.constexpr = meta[9]
+    n_cache_programs = sizes[4]
     if not EARLY_INDEX_LOADS:
         # Launched early, overlapping the previous kernel's tail: wait for its writes
         # (our inputs) before touching memory, then let the next kernel get scheduled.
@@ -474,47 +473,23 @@ def _mla_rope_cache(
     # _round_for_store): the branch holds the whole program, so no tile crosses it. With
     # EARLY_INDEX_LOADS the scale's bits are read before the wait too (binding.py's promise).
     if pid < n_cache_programs:
-        if _scale_is_pow2(cache_scale_ptr, CACHE_STORE):
-            _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr,
-                           out_ptr, num_tokens, max_pos, num_slots, key_start, stride_cs_p, stride_cs_r,
-                           stride_k_t, stride_k_r, stride_c_t, stride_c_l, stride_kv_b, stride_kv_s, stride_kv_d,
-                           stride_o_t, stride_o_h, stride_o_d, H, L, R, NOPE, IS_NEOX, OP,
-                           _pow2_scaled(CACHE_STORE), OUT_STORE, BLOCK_T, BLOCK_L, BLOCK_H, BLOCK_R2, USE_PDL,
-                           BLOCK_SIZE, EARLY_INDEX_LOADS)  # fmt: skip
+        if _scale_is_pow2(cache[2], CACHE_STORE):
+            _cache_program(pid, rope, k_pe, kv_c, cache, out, sizes, dims, meta, True)
         else:
-            _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr,
-                           out_ptr, num_tokens, max_pos, num_slots, key_start, stride_cs_p, stride_cs_r,
-                           stride_k_t, stride_k_r, stride_c_t, stride_c_l, stride_kv_b, stride_kv_s, stride_kv_d,
-                           stride_o_t, stride_o_h, stride_o_d, H, L, R, NOPE, IS_NEOX, OP,
-                           CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_L, BLOCK_H, BLOCK_R2, USE_PDL, BLOCK_SIZE,
-                           EARLY_INDEX_LOADS)  # fmt: skip
+            _cache_program(pid, rope, k_pe, kv_c, cache, out, sizes, dims, meta, False)
     else:
-        if _scale_is_pow2(out_scale_ptr, OUT_STORE):
-            _query_program(pid - n_cache_programs, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_scale_ptr,
-                           num_tokens, max_pos, key_start, stride_cs_p, stride_cs_r, stride_q_t, stride_q_h,
-                           stride_q_r, stride_n_t, stride_n_h, stride_n_d, stride_o_t, stride_o_h, stride_o_d,
-                           H, R, NOPE, IS_NEOX, OP, NOPE_FIRST, _pow2_scaled(OUT_STORE), BLOCK_ROWS, BLOCK_N,
-                           BLOCK_R2, USE_PDL, EARLY_INDEX_LOADS)  # fmt: skip
+        if _scale_is_pow2(out[1], OUT_STORE):
+            _query_program(pid - n_cache_programs, rope, q_pe, nope, out, sizes, dims, meta, True)
         else:
-            _query_program(pid - n_cache_programs, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_scale_ptr,
-                           num_tokens, max_pos, key_start, stride_cs_p, stride_cs_r, stride_q_t, stride_q_h,
-                           stride_q_r, stride_n_t, stride_n_h, stride_n_d, stride_o_t, stride_o_h, stride_o_d,
-                           H, R, NOPE, IS_NEOX, OP, NOPE_FIRST, OUT_STORE, BLOCK_ROWS, BLOCK_N, BLOCK_R2, USE_PDL,
-                           EARLY_INDEX_LOADS)  # fmt: skip
+            _query_program(pid - n_cache_programs, rope, q_pe, nope, out, sizes, dims, meta, False)
 
 
 @triton.jit
-def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr, out_ptr,
-                   num_tokens, max_pos, num_slots, key_start, stride_cs_p, stride_cs_r,
-                   stride_k_t, stride_k_r, stride_c_t, stride_c_l, stride_kv_b, stride_kv_s, stride_kv_d,
-                   stride_o_t, stride_o_h, stride_o_d,
-                   H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, NOPE: tl.constexpr, IS_NEOX: tl.constexpr,
-                   OP: tl.constexpr, CACHE_STORE: tl.constexpr, OUT_STORE: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R2: tl.constexpr, USE_PDL: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr):  # fmt: skip
+def _cache_program(pid, rope, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SCALE: tl.constexpr):
     """BLOCK_T tokens: rotate k_pe (in place for ops 1 and 3), write [kv_c | rope(k_pe)] at each slot
-    in [0, num_slots); op 3 also writes rope(k_pe) into the key row of every head (tokens from
-    key_start on).
+    in [0, num_slots); op 3 also writes rope(k_pe) into the key row (``key``: k_out) of every head
+    (tokens from key_start on). ``POW2_SCALE``: the cache's scale is a power of two
+    (_scale_is_pow2), which its store format then says (_pow2_scaled).
 
     A slot past the cache (a scheduler or connector bug, a stale mapping under graph
     padding) costs its row, never a write into whatever memory follows the cache.
@@ -528,12 +503,33 @@ def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cach
     ``EARLY_INDEX_LOADS`` the positions, slots and table rows are read first, before the
     grid-dependency wait, overlapping the previous kernel's tail (BoundLaunch says when).
     """
+    H: tl.constexpr = dims[0]
+    L: tl.constexpr = dims[1]
+    R: tl.constexpr = dims[2]
+    NOPE: tl.constexpr = dims[3]
+    OP: tl.constexpr = meta[0]
+    IS_NEOX: tl.constexpr = meta[1]
+    CACHE_STORE: tl.constexpr = _pow2_scaled(meta[3]) if POW2_SCALE else meta[3]
+    KEY_STORE: tl.constexpr = _unscaled(meta[4])  # k_out has no scale (vLLM casts the key without one)
+    BLOCK_T: tl.constexpr = meta[5]
+    BLOCK_H: tl.constexpr = meta[7]
+    USE_PDL: tl.constexpr = meta[8]
+    EARLY_INDEX_LOADS: tl.constexpr = meta[9]
+    BLOCK_R2: tl.constexpr = _pow2_at_least(R // 2)  # the rotation's half-width, padded for tl.arange
+    BLOCK_L: tl.constexpr = _row_step(L)  # latent columns per step
+    num_tokens, max_pos, num_slots, key_start = sizes[0], sizes[1], sizes[2], sizes[3]
+    k_pe_ptr, stride_k_t, stride_k_r = k_pe[0], k_pe[1], k_pe[2]
+    kv_c_ptr, stride_c_t, stride_c_l = kv_c[0], kv_c[1], kv_c[2]
+    slot_ptr, cache_ptr, cache_scale_ptr = cache[0], cache[1], cache[2]
+    stride_kv_b, stride_kv_s, stride_kv_d = cache[3], cache[4], cache[5]
+    BLOCK_SIZE: tl.constexpr = cache[6]
+
     t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = t < num_tokens
-    pos = tl.load(pos_ptr + t, mask=t_mask, other=0).to(tl.int64)
+    pos = tl.load(rope[0] + t, mask=t_mask, other=0).to(tl.int64)
     slot = tl.load(slot_ptr + t, mask=t_mask, other=-1).to(tl.int64)
     if EARLY_INDEX_LOADS:
-        cos, sin = _load_cos_sin(cos_sin_ptr, pos, max_pos, t_mask, R, BLOCK_R2, stride_cs_p, stride_cs_r)
+        cos, sin = _load_cos_sin(rope, pos, max_pos, t_mask, R, BLOCK_R2)
         _wait_for_inputs(USE_PDL)
     col = tl.arange(0, BLOCK_L)
     c_mask = t_mask[:, None] & (col < L)[None, :]
@@ -542,17 +538,16 @@ def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cach
     k_off = t * stride_k_t
     k1, k2 = _load_halves(k_pe_ptr, k_off, t_mask, IS_NEOX, R, BLOCK_R2, stride_k_r, BLOCK_T)
     if not EARLY_INDEX_LOADS:
-        cos, sin = _load_cos_sin(cos_sin_ptr, pos, max_pos, t_mask, R, BLOCK_R2, stride_cs_p, stride_cs_r)
+        cos, sin = _load_cos_sin(rope, pos, max_pos, t_mask, R, BLOCK_R2)
     k1, k2 = _rotate(k1, k2, cos, sin)
     if OP != OP_DECODE:
         _store_rotated(k_pe_ptr, k_off, k1.to(k_pe_ptr.dtype.element_ty), k2.to(k_pe_ptr.dtype.element_ty),
                        t_mask, IS_NEOX, R, BLOCK_R2, stride_k_r, BLOCK_T)  # fmt: skip
     if OP == OP_PREFILL:
         # The key's rope part is the same for every head: round it once, store it H times.
-        # k_out has no scale (vLLM casts the key without one).
-        KEY_STORE: tl.constexpr = _unscaled(OUT_STORE)
-        y1 = _round_for_store(k1, 1.0, 1.0, out_ptr, KEY_STORE)
-        y2 = _round_for_store(k2, 1.0, 1.0, out_ptr, KEY_STORE)
+        key_ptr, stride_o_t, stride_o_h, stride_o_d = key[0], key[2], key[3], key[4]
+        y1 = _round_for_store(k1, 1.0, 1.0, key_ptr, KEY_STORE)
+        y2 = _round_for_store(k2, 1.0, 1.0, key_ptr, KEY_STORE)
         ROWS: tl.constexpr = BLOCK_T * BLOCK_H
         y1 = tl.reshape(tl.broadcast_to(y1[:, None, :], [BLOCK_T, BLOCK_H, BLOCK_R2]), [ROWS, BLOCK_R2])
         y2 = tl.reshape(tl.broadcast_to(y2[:, None, :], [BLOCK_T, BLOCK_H, BLOCK_R2]), [ROWS, BLOCK_R2])
@@ -561,7 +556,7 @@ def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cach
             h = h0 + tl.arange(0, BLOCK_H)
             off = (t - key_start)[:, None] * stride_o_t + h[None, :].to(tl.int64) * stride_o_h + NOPE * stride_o_d
             m = key_mask[:, None] & (h < H)[None, :]
-            _store_rotated(out_ptr, tl.reshape(off, [ROWS]), y1, y2, tl.reshape(m, [ROWS]), IS_NEOX, R, BLOCK_R2,
+            _store_rotated(key_ptr, tl.reshape(off, [ROWS]), y1, y2, tl.reshape(m, [ROWS]), IS_NEOX, R, BLOCK_R2,
                            stride_o_d, ROWS)  # fmt: skip
     write = t_mask & (slot >= 0) & (slot < num_slots)
     slot = tl.maximum(slot, 0)
@@ -582,41 +577,53 @@ def _cache_program(pid, pos_ptr, slot_ptr, cos_sin_ptr, k_pe_ptr, kv_c_ptr, cach
 
 
 @triton.jit
-def _query_program(pid, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_scale_ptr,
-                   num_tokens, max_pos, key_start, stride_cs_p, stride_cs_r, stride_q_t, stride_q_h, stride_q_r,
-                   stride_n_t, stride_n_h, stride_n_d, stride_o_t, stride_o_h, stride_o_d,
-                   H: tl.constexpr, R: tl.constexpr, NOPE: tl.constexpr, IS_NEOX: tl.constexpr,
-                   OP: tl.constexpr, NOPE_FIRST: tl.constexpr, OUT_STORE: tl.constexpr,
-                   BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R2: tl.constexpr, USE_PDL: tl.constexpr,
-                   EARLY_INDEX_LOADS: tl.constexpr):  # fmt: skip
+def _query_program(pid, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCALE: tl.constexpr):
     """BLOCK_ROWS (token, head) rows of q_pe, rotated: in place (ops 1 and 3) or into q_out (op 2);
     ops 2 and 3 also copy the row's nope input into the output row: op 2
     q_out = [ql_nope | rope(q_pe)], op 3 the k_nope part of k_out (whose rope part the
-    cache programs write), for tokens from key_start on (always 0 for op 2).
+    cache programs write), for tokens from key_start on (always 0 for op 2). ``POW2_SCALE``:
+    the output's scale is a power of two, as in _cache_program.
 
     As in _cache_program, the position-independent loads (the nope input, q_pe) go out before
     the rope table's; with ``EARLY_INDEX_LOADS``, the positions and the table rows before the
     grid-dependency wait."""
+    H: tl.constexpr = dims[0]
+    R: tl.constexpr = dims[2]
+    NOPE: tl.constexpr = dims[3]
+    OP: tl.constexpr = meta[0]
+    IS_NEOX: tl.constexpr = meta[1]
+    NOPE_FIRST: tl.constexpr = meta[2]
+    OUT_STORE: tl.constexpr = _pow2_scaled(meta[4]) if POW2_SCALE else meta[4]
+    BLOCK_ROWS: tl.constexpr = meta[6]
+    USE_PDL: tl.constexpr = meta[8]
+    EARLY_INDEX_LOADS: tl.constexpr = meta[9]
+    BLOCK_R2: tl.constexpr = _pow2_at_least(R // 2)  # the rotation's half-width, padded for tl.arange
+    BLOCK_N: tl.constexpr = _row_step(NOPE)  # nope columns per step (ops 2 and 3)
+    num_tokens, max_pos, key_start = sizes[0], sizes[1], sizes[3]
+    q_pe_ptr, stride_q_t, stride_q_h, stride_q_r = q_pe[0], q_pe[1], q_pe[2], q_pe[3]
+    nope_ptr, stride_n_t, stride_n_h, stride_n_d = nope[0], nope[1], nope[2], nope[3]
+    out_ptr, out_scale_ptr, stride_o_t, stride_o_h, stride_o_d = out[0], out[1], out[2], out[3], out[4]
+
     rows = pid.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     t = rows // H
     h = rows % H
     r_mask = t < num_tokens
-    pos = tl.load(pos_ptr + t, mask=r_mask, other=0).to(tl.int64)
+    pos = tl.load(rope[0] + t, mask=r_mask, other=0).to(tl.int64)
     if EARLY_INDEX_LOADS:
-        cos, sin = _load_cos_sin(cos_sin_ptr, pos, max_pos, r_mask, R, BLOCK_R2, stride_cs_p, stride_cs_r)
+        cos, sin = _load_cos_sin(rope, pos, max_pos, r_mask, R, BLOCK_R2)
         _wait_for_inputs(USE_PDL)
     if OP != OP_ROPE_CACHE:
         o_mask = r_mask & (t >= key_start)  # rows with an output row (op 2: every row)
         n_off = (t - key_start) * stride_n_t + h * stride_n_h
         col = tl.arange(0, BLOCK_N)
         n_mask = o_mask[:, None] & (col < NOPE)[None, :]
-        nope = tl.load(nope_ptr + n_off[:, None] + col[None, :] * stride_n_d, mask=n_mask, other=0.0)
+        x = tl.load(nope_ptr + n_off[:, None] + col[None, :] * stride_n_d, mask=n_mask, other=0.0)
         scale, inv_scale = _load_scale(out_scale_ptr, OUT_STORE)
-        out = (t - key_start) * stride_o_t + h * stride_o_h
+        o_off = (t - key_start) * stride_o_t + h * stride_o_h
     q_off = t * stride_q_t + h * stride_q_h
     q1, q2 = _load_halves(q_pe_ptr, q_off, r_mask, IS_NEOX, R, BLOCK_R2, stride_q_r, BLOCK_ROWS)
     if not EARLY_INDEX_LOADS:
-        cos, sin = _load_cos_sin(cos_sin_ptr, pos, max_pos, r_mask, R, BLOCK_R2, stride_cs_p, stride_cs_r)
+        cos, sin = _load_cos_sin(rope, pos, max_pos, r_mask, R, BLOCK_R2)
     q1, q2 = _rotate(q1, q2, cos, sin)
     if OP != OP_DECODE:
         _store_rotated(q_pe_ptr, q_off, q1.to(q_pe_ptr.dtype.element_ty), q2.to(q_pe_ptr.dtype.element_ty),
@@ -625,18 +632,18 @@ def _query_program(pid, pos_ptr, cos_sin_ptr, q_pe_ptr, nope_ptr, out_ptr, out_s
         rope_col = NOPE if NOPE_FIRST else 0
         q1 = _round_for_store(q1, scale, inv_scale, out_ptr, OUT_STORE)
         q2 = _round_for_store(q2, scale, inv_scale, out_ptr, OUT_STORE)
-        _store_rotated(out_ptr, out + rope_col * stride_o_d, q1, q2, o_mask, IS_NEOX, R, BLOCK_R2,
+        _store_rotated(out_ptr, o_off + rope_col * stride_o_d, q1, q2, o_mask, IS_NEOX, R, BLOCK_R2,
                        stride_o_d, BLOCK_ROWS)  # fmt: skip
     if OP != OP_ROPE_CACHE:
         nope_col = R if (OP == OP_DECODE and not NOPE_FIRST) else 0
-        nope = _round_for_store(nope.to(tl.float32), scale, inv_scale, out_ptr, OUT_STORE)
-        tl.store(out_ptr + out[:, None] + (nope_col + col[None, :]) * stride_o_d, nope, mask=n_mask)
+        x = _round_for_store(x.to(tl.float32), scale, inv_scale, out_ptr, OUT_STORE)
+        tl.store(out_ptr + o_off[:, None] + (nope_col + col[None, :]) * stride_o_d, x, mask=n_mask)
         for n0 in tl.static_range(BLOCK_N, NOPE, BLOCK_N):  # nope widths past BLOCK_N (> 512)
             col = n0 + tl.arange(0, BLOCK_N)
             m = o_mask[:, None] & (col < NOPE)[None, :]
             x = tl.load(nope_ptr + n_off[:, None] + col[None, :] * stride_n_d, mask=m, other=0.0)
             x = _round_for_store(x.to(tl.float32), scale, inv_scale, out_ptr, OUT_STORE)
-            tl.store(out_ptr + out[:, None] + (nope_col + col[None, :]) * stride_o_d, x, mask=m)
+            tl.store(out_ptr + o_off[:, None] + (nope_col + col[None, :]) * stride_o_d, x, mask=m)
 
 
 # ---------------------------------------------------------------------------
