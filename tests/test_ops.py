@@ -281,6 +281,27 @@ def test_fp8_saturates_instead_of_overflowing(backend):
     assert torch.isfinite(case.q_out.float()).all()
 
 
+# Issue 41's S4: a program may take several tiles in turn (TILES), tile i + 1's loads issued before
+# tile i's stores. The normal configurations take one; forced here, with tiles small enough that the
+# last program's tiles lie partly or wholly past the tokens.
+TILED_CASES = [(op, T, 0) for op in OPS for T in (1, 7)] + [("prefill", 9, 3)]  # (op, T, key_start)
+
+
+@pytest.mark.parametrize("op,T,key_start", TILED_CASES, ids=[f"{op}-T{T}-s{s}" for op, T, s in TILED_CASES])
+@pytest.mark.parametrize("store", ["bf16", "fp8"])
+@pytest.mark.parametrize("tiles", [2, 3])
+def test_several_tiles_per_program(op, T, key_start, store, tiles):
+    """Every op and store with 2 or 3 tiles per program, of 2 tokens (cache programs) and 4 rows
+    (query programs): results as specified, nothing else written; op 3 also with decode rows first."""
+    pytest.importorskip("triton")
+    from vllm_mla_fusion.backends import triton as tb
+
+    case = _op_case(op, store, T=T, H=3, seed=100 * tiles + T, key_start=key_start)
+    cfg = dict(BLOCK_T=2, BLOCK_ROWS=4, BLOCK_H=2, TILES=tiles, num_warps=4, USE_PDL=False)
+    with tb.forced_launch_config(cfg):
+        _RUN[op](case, "triton")
+
+
 @pytest.mark.parametrize("backend", OP_BACKENDS)
 def test_zero_tokens_is_a_no_op(backend):
     case = make_case(T=0, H=4, decode=True)

@@ -36,7 +36,14 @@ data, overlapping the previous kernel's tail as K3's ops do. Either way the data
 a rotation takes is loaded before its rope-table rows, whose address waits for
 the position.
 
-The entry points take 23 (op 1), 29 (op 2) and 29 (op 3) parameters: the
+A program may take several tiles in turn (``TILES``): tile i + 1's loads go out
+before tile i's stores, so that the program keeps bytes in flight while it stores
+(each kind of program is a loads helper and a stores helper). The launch
+configurations take one tile per program for now, for which the kernel compiles
+to the PTX it compiled to before ``TILES`` existed; which shapes gain from more is a
+GPU measurement still to make (docs/performance-history.md).
+
+The entry points take 24 (op 1), 30 (op 2) and 30 (op 3) parameters: the
 pointers, the sizes, the data tensors' strides as one tuple bound with the
 layout (Triton's launchers take tuple arguments in the signature's nesting, the
 direct launch below too) and the constexprs (sizes, rotation style, tiles, PDL, the
@@ -350,7 +357,7 @@ _NO_STORE = tl.constexpr("plain")  # the store format of an output an op does no
 #   sizes  (num_tokens, max_pos, num_slots, key_start, n_cache_programs)
 #   dims   (H, L, R, NOPE), constexprs: NOPE is the nope input's width (L for op 2, P for op 3)
 #   meta   (OP, IS_NEOX, NOPE_FIRST, CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_ROWS, BLOCK_H, USE_PDL,
-#          EARLY_INDEX_LOADS), constexprs: the _mla_rope_cache docstring says what each is
+#          EARLY_INDEX_LOADS, TILES), constexprs: the _mla_rope_cache docstring says what each is
 @triton.jit(do_not_specialize=["num_tokens", "n_cache_programs", "num_slots"],
             do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])  # fmt: skip
 def _mla_rope_cache_kernel_op1(
@@ -364,8 +371,8 @@ def _mla_rope_cache_kernel_op1(
     num_tokens, max_pos, num_slots, n_cache_programs,
     strides,  # (12,): cos/sin, q_pe, k_pe, kv_c, cache
     H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, IS_NEOX: tl.constexpr, CACHE_STORE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_ROWS: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    EARLY_INDEX_LOADS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_ROWS: tl.constexpr, TILES: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr,
 ):  # fmt: skip
     """Op 1: q_pe and k_pe rotated in place, [kv_c | rope(k_pe)] written to the cache."""
     _mla_rope_cache(
@@ -378,7 +385,8 @@ def _mla_rope_cache_kernel_op1(
         (q_pe_ptr, cache_scale_ptr, 0, 0, 0),  # no output: neither is read
         (num_tokens, max_pos, num_slots, 0, n_cache_programs),
         (H, L, R, 1),
-        (OP_ROPE_CACHE, IS_NEOX, True, CACHE_STORE, _NO_STORE, BLOCK_T, BLOCK_ROWS, 1, USE_PDL, EARLY_INDEX_LOADS),
+        (OP_ROPE_CACHE, IS_NEOX, True, CACHE_STORE, _NO_STORE, BLOCK_T, BLOCK_ROWS, 1, USE_PDL, EARLY_INDEX_LOADS,
+         TILES),
     )
 
 
@@ -397,7 +405,7 @@ def _mla_rope_cache_kernel_op2(
     H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, IS_NEOX: tl.constexpr,
     NOPE_FIRST: tl.constexpr,  # q_out = [nope | rope] (else [rope | nope])
     CACHE_STORE: tl.constexpr, OUT_STORE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-    USE_PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr,
+    TILES: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr,
 ):  # fmt: skip
     """Op 2: q_out = [ql_nope | rope(q_pe)] (rounded as OUT_STORE says), the cache rows as op 1's."""
     _mla_rope_cache(
@@ -410,7 +418,8 @@ def _mla_rope_cache_kernel_op2(
         (q_out_ptr, q_scale_ptr, strides[15], strides[16], strides[17]),
         (num_tokens, max_pos, num_slots, key_start, n_cache_programs),
         (H, L, R, L),
-        (OP_DECODE, IS_NEOX, NOPE_FIRST, CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_ROWS, 1, USE_PDL, EARLY_INDEX_LOADS),
+        (OP_DECODE, IS_NEOX, NOPE_FIRST, CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_ROWS, 1, USE_PDL, EARLY_INDEX_LOADS,
+         TILES),
     )
 
 
@@ -426,7 +435,7 @@ def _mla_rope_cache_kernel_op3(
     H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, NOPE: tl.constexpr, IS_NEOX: tl.constexpr,
     CACHE_STORE: tl.constexpr, OUT_STORE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,  # heads per k_out store in a cache program
-    USE_PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr,
+    TILES: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr,
 ):  # fmt: skip
     """Op 3: op 1's work, and the attention key k_out = [k_nope | rope(k_pe)] of tokens from key_start on."""
     _mla_rope_cache(
@@ -439,7 +448,8 @@ def _mla_rope_cache_kernel_op3(
         (k_out_ptr, cache_scale_ptr, strides[15], strides[16], strides[17]),  # the key has no scale: never read
         (num_tokens, max_pos, num_slots, key_start, n_cache_programs),
         (H, L, R, NOPE),
-        (OP_PREFILL, IS_NEOX, True, CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_ROWS, BLOCK_H, USE_PDL, EARLY_INDEX_LOADS),
+        (OP_PREFILL, IS_NEOX, True, CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_ROWS, BLOCK_H, USE_PDL, EARLY_INDEX_LOADS,
+         TILES),
     )
 
 
@@ -456,7 +466,8 @@ def _mla_rope_cache(rope, q_pe, k_pe, kv_c, cache, nope, out, sizes, dims, meta)
     tokens per cache program; BLOCK_ROWS, (token, head) rows per query program; BLOCK_H, heads per
     k_out store in a cache program (op 3); USE_PDL, launched with programmatic dependent launch
     (sm_90+); EARLY_INDEX_LOADS, with USE_PDL: positions, slots and cos/sin read before the wait
-    (BoundLaunch)."""
+    (BoundLaunch); TILES, the tiles each program takes in turn (of BLOCK_T tokens or BLOCK_ROWS rows:
+    the grid has TILES times fewer programs), the next one's loads before the last one's stores."""
     CACHE_STORE: tl.constexpr = meta[3]
     OUT_STORE: tl.constexpr = meta[4]
     USE_PDL: tl.constexpr = meta[8]
@@ -486,23 +497,76 @@ def _mla_rope_cache(rope, q_pe, k_pe, kv_c, cache, nope, out, sizes, dims, meta)
 
 @triton.jit
 def _cache_program(pid, rope, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SCALE: tl.constexpr):
-    """BLOCK_T tokens: rotate k_pe (in place for ops 1 and 3), write [kv_c | rope(k_pe)] at each slot
-    in [0, num_slots); op 3 also writes rope(k_pe) into the key row (``key``: k_out) of every head
-    (tokens from key_start on). ``POW2_SCALE``: the cache's scale is a power of two
-    (_scale_is_pow2), which its store format then says (_pow2_scaled).
+    """TILES tiles of BLOCK_T tokens each (tiles pid * TILES ...): rotate k_pe (in place for ops 1
+    and 3), write [kv_c | rope(k_pe)] at each slot in [0, num_slots); op 3 also writes rope(k_pe)
+    into the key row (``key``: k_out) of every head (tokens from key_start on). ``POW2_SCALE``: the
+    cache's scale is a power of two (_scale_is_pow2), which its store format then says (_pow2_scaled).
 
     A slot past the cache (a scheduler or connector bug, a stale mapping under graph
     padding) costs its row, never a write into whatever memory follows the cache.
     This program is the only one that reads or writes k_pe, which is what makes the
     in-place rotation safe while op 3's key rows need the un-rotated value.
 
-    Every load is issued before any store: the compiler may not move a load above a store
-    that could alias it, and on small batches each serialized round trip to memory is a
-    visible part of the kernel's time. The loads that do not depend on the position (kv_c,
-    k_pe) go out before the rope table's, which waits for the position to arrive; with
-    ``EARLY_INDEX_LOADS`` the positions, slots and table rows are read first, before the
-    grid-dependency wait, overlapping the previous kernel's tail (BoundLaunch says when).
+    Every load of a tile is issued before any of its stores (_cache_tile_loads, then
+    _cache_tile_stores): the compiler may not move a load above a store that could alias it, and
+    on small batches each serialized round trip to memory is a visible part of the kernel's time.
+    With several tiles, tile i + 1's loads go out before tile i's stores, so that a program keeps
+    bytes in flight while it stores.
     """
+    TILES: tl.constexpr = meta[10]
+    tile = _cache_tile_loads(pid * TILES, rope, k_pe, kv_c, cache, sizes, dims, meta, POW2_SCALE, True)
+    for i in tl.static_range(1, TILES):
+        next_tile = _cache_tile_loads(pid * TILES + i, rope, k_pe, kv_c, cache, sizes, dims, meta, POW2_SCALE, False)
+        _cache_tile_stores(tile, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SCALE)
+        tile = next_tile
+    _cache_tile_stores(tile, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SCALE)
+
+
+@triton.jit
+def _cache_tile_loads(index, rope, k_pe, kv_c, cache, sizes, dims, meta, POW2_SCALE: tl.constexpr,
+                      FIRST: tl.constexpr):  # fmt: skip
+    """Cache tile ``index``'s loads, returned as the tile ``_cache_tile_stores`` takes.
+
+    The loads that do not depend on the position (kv_c, k_pe) go out before the rope table's,
+    which waits for the position to arrive; with ``EARLY_INDEX_LOADS`` the positions, slots and
+    table rows are read first, before the grid-dependency wait (the ``FIRST`` tile's: the later
+    tiles come after it), overlapping the previous kernel's tail (BoundLaunch says when)."""
+    L: tl.constexpr = dims[1]
+    R: tl.constexpr = dims[2]
+    IS_NEOX: tl.constexpr = meta[1]
+    CACHE_STORE: tl.constexpr = _pow2_scaled(meta[3]) if POW2_SCALE else meta[3]
+    BLOCK_T: tl.constexpr = meta[5]
+    USE_PDL: tl.constexpr = meta[8]
+    EARLY_INDEX_LOADS: tl.constexpr = meta[9]
+    BLOCK_R2: tl.constexpr = _pow2_at_least(R // 2)  # the rotation's half-width, padded for tl.arange
+    BLOCK_L: tl.constexpr = _row_step(L)  # latent columns per step
+    num_tokens, max_pos = sizes[0], sizes[1]
+    k_pe_ptr, stride_k_t, stride_k_r = k_pe[0], k_pe[1], k_pe[2]
+    kv_c_ptr, stride_c_t, stride_c_l = kv_c[0], kv_c[1], kv_c[2]
+    slot_ptr, cache_scale_ptr = cache[0], cache[2]
+
+    t = index.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = t < num_tokens
+    pos = tl.load(rope[0] + t, mask=t_mask, other=0).to(tl.int64)
+    slot = tl.load(slot_ptr + t, mask=t_mask, other=-1).to(tl.int64)
+    if EARLY_INDEX_LOADS:
+        cos, sin = _load_cos_sin(rope, pos, max_pos, t_mask, R, BLOCK_R2)
+        if FIRST:
+            _wait_for_inputs(USE_PDL)
+    col = tl.arange(0, BLOCK_L)
+    c_mask = t_mask[:, None] & (col < L)[None, :]
+    c = tl.load(kv_c_ptr + t[:, None] * stride_c_t + col[None, :] * stride_c_l, mask=c_mask, other=0.0)
+    scale, inv_scale = _load_scale(cache_scale_ptr, CACHE_STORE)
+    k_off = t * stride_k_t
+    k1, k2 = _load_halves(k_pe_ptr, k_off, t_mask, IS_NEOX, R, BLOCK_R2, stride_k_r, BLOCK_T)
+    if not EARLY_INDEX_LOADS:
+        cos, sin = _load_cos_sin(rope, pos, max_pos, t_mask, R, BLOCK_R2)
+    return t, t_mask, slot, c, k_off, k1, k2, cos, sin, scale, inv_scale
+
+
+@triton.jit
+def _cache_tile_stores(tile, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SCALE: tl.constexpr):
+    """A cache tile's rotation and stores (``tile``: what _cache_tile_loads returned)."""
     H: tl.constexpr = dims[0]
     L: tl.constexpr = dims[1]
     R: tl.constexpr = dims[2]
@@ -513,32 +577,16 @@ def _cache_program(pid, rope, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SC
     KEY_STORE: tl.constexpr = _unscaled(meta[4])  # k_out has no scale (vLLM casts the key without one)
     BLOCK_T: tl.constexpr = meta[5]
     BLOCK_H: tl.constexpr = meta[7]
-    USE_PDL: tl.constexpr = meta[8]
-    EARLY_INDEX_LOADS: tl.constexpr = meta[9]
-    BLOCK_R2: tl.constexpr = _pow2_at_least(R // 2)  # the rotation's half-width, padded for tl.arange
-    BLOCK_L: tl.constexpr = _row_step(L)  # latent columns per step
-    num_tokens, max_pos, num_slots, key_start = sizes[0], sizes[1], sizes[2], sizes[3]
+    BLOCK_R2: tl.constexpr = _pow2_at_least(R // 2)
+    BLOCK_L: tl.constexpr = _row_step(L)
+    num_slots, key_start = sizes[2], sizes[3]
     k_pe_ptr, stride_k_t, stride_k_r = k_pe[0], k_pe[1], k_pe[2]
     kv_c_ptr, stride_c_t, stride_c_l = kv_c[0], kv_c[1], kv_c[2]
-    slot_ptr, cache_ptr, cache_scale_ptr = cache[0], cache[1], cache[2]
-    stride_kv_b, stride_kv_s, stride_kv_d = cache[3], cache[4], cache[5]
+    cache_ptr, stride_kv_b, stride_kv_s, stride_kv_d = cache[1], cache[3], cache[4], cache[5]
     BLOCK_SIZE: tl.constexpr = cache[6]
+    t, t_mask, slot, c, k_off = tile[0], tile[1], tile[2], tile[3], tile[4]
+    k1, k2, cos, sin, scale, inv_scale = tile[5], tile[6], tile[7], tile[8], tile[9], tile[10]
 
-    t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_mask = t < num_tokens
-    pos = tl.load(rope[0] + t, mask=t_mask, other=0).to(tl.int64)
-    slot = tl.load(slot_ptr + t, mask=t_mask, other=-1).to(tl.int64)
-    if EARLY_INDEX_LOADS:
-        cos, sin = _load_cos_sin(rope, pos, max_pos, t_mask, R, BLOCK_R2)
-        _wait_for_inputs(USE_PDL)
-    col = tl.arange(0, BLOCK_L)
-    c_mask = t_mask[:, None] & (col < L)[None, :]
-    c = tl.load(kv_c_ptr + t[:, None] * stride_c_t + col[None, :] * stride_c_l, mask=c_mask, other=0.0)
-    scale, inv_scale = _load_scale(cache_scale_ptr, CACHE_STORE)
-    k_off = t * stride_k_t
-    k1, k2 = _load_halves(k_pe_ptr, k_off, t_mask, IS_NEOX, R, BLOCK_R2, stride_k_r, BLOCK_T)
-    if not EARLY_INDEX_LOADS:
-        cos, sin = _load_cos_sin(rope, pos, max_pos, t_mask, R, BLOCK_R2)
     k1, k2 = _rotate(k1, k2, cos, sin)
     if OP != OP_DECODE:
         _store_rotated(k_pe_ptr, k_off, k1.to(k_pe_ptr.dtype.element_ty), k2.to(k_pe_ptr.dtype.element_ty),
@@ -566,6 +614,7 @@ def _cache_program(pid, rope, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SC
     k1 = _round_for_store(k1, scale, inv_scale, cache_ptr, CACHE_STORE)
     k2 = _round_for_store(k2, scale, inv_scale, cache_ptr, CACHE_STORE)
     _store_rotated(cache_ptr, row + L * stride_kv_d, k1, k2, write, IS_NEOX, R, BLOCK_R2, stride_kv_d, BLOCK_T)
+    col = tl.arange(0, BLOCK_L)
     c = _round_for_store(c.to(tl.float32), scale, inv_scale, cache_ptr, CACHE_STORE)
     tl.store(cache_ptr + row[:, None] + col[None, :] * stride_kv_d, c, mask=write[:, None] & (col < L)[None, :])
     for l0 in tl.static_range(BLOCK_L, L, BLOCK_L):  # latent widths past BLOCK_L (> 512)
@@ -578,21 +627,33 @@ def _cache_program(pid, rope, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SC
 
 @triton.jit
 def _query_program(pid, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCALE: tl.constexpr):
-    """BLOCK_ROWS (token, head) rows of q_pe, rotated: in place (ops 1 and 3) or into q_out (op 2);
-    ops 2 and 3 also copy the row's nope input into the output row: op 2
-    q_out = [ql_nope | rope(q_pe)], op 3 the k_nope part of k_out (whose rope part the
-    cache programs write), for tokens from key_start on (always 0 for op 2). ``POW2_SCALE``:
-    the output's scale is a power of two, as in _cache_program.
+    """TILES tiles of BLOCK_ROWS (token, head) rows each (tiles pid * TILES ...) of q_pe, rotated:
+    in place (ops 1 and 3) or into q_out (op 2); ops 2 and 3 also copy the row's nope input into
+    the output row: op 2 q_out = [ql_nope | rope(q_pe)], op 3 the k_nope part of k_out (whose rope
+    part the cache programs write), for tokens from key_start on (always 0 for op 2).
+    ``POW2_SCALE``: the output's scale is a power of two, as in _cache_program. Loads and stores
+    are ordered across tiles as there."""
+    TILES: tl.constexpr = meta[10]
+    tile = _query_tile_loads(pid * TILES, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCALE, True)
+    for i in tl.static_range(1, TILES):
+        next_tile = _query_tile_loads(pid * TILES + i, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCALE, False)
+        _query_tile_stores(tile, q_pe, nope, out, dims, meta, POW2_SCALE)
+        tile = next_tile
+    _query_tile_stores(tile, q_pe, nope, out, dims, meta, POW2_SCALE)
 
-    As in _cache_program, the position-independent loads (the nope input, q_pe) go out before
-    the rope table's; with ``EARLY_INDEX_LOADS``, the positions and the table rows before the
-    grid-dependency wait."""
+
+@triton.jit
+def _query_tile_loads(index, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCALE: tl.constexpr,
+                      FIRST: tl.constexpr):  # fmt: skip
+    """Query tile ``index``'s loads, returned as the tile ``_query_tile_stores`` takes. As in
+    _cache_tile_loads, the position-independent loads (the nope input, q_pe) go out before the
+    rope table's; with ``EARLY_INDEX_LOADS``, the positions and the table rows before the
+    grid-dependency wait. Op 1 has no nope input: its tile carries 0 in those places."""
     H: tl.constexpr = dims[0]
     R: tl.constexpr = dims[2]
     NOPE: tl.constexpr = dims[3]
     OP: tl.constexpr = meta[0]
     IS_NEOX: tl.constexpr = meta[1]
-    NOPE_FIRST: tl.constexpr = meta[2]
     OUT_STORE: tl.constexpr = _pow2_scaled(meta[4]) if POW2_SCALE else meta[4]
     BLOCK_ROWS: tl.constexpr = meta[6]
     USE_PDL: tl.constexpr = meta[8]
@@ -602,16 +663,17 @@ def _query_program(pid, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCALE: tl
     num_tokens, max_pos, key_start = sizes[0], sizes[1], sizes[3]
     q_pe_ptr, stride_q_t, stride_q_h, stride_q_r = q_pe[0], q_pe[1], q_pe[2], q_pe[3]
     nope_ptr, stride_n_t, stride_n_h, stride_n_d = nope[0], nope[1], nope[2], nope[3]
-    out_ptr, out_scale_ptr, stride_o_t, stride_o_h, stride_o_d = out[0], out[1], out[2], out[3], out[4]
+    out_scale_ptr, stride_o_t, stride_o_h = out[1], out[2], out[3]
 
-    rows = pid.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    rows = index.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     t = rows // H
     h = rows % H
     r_mask = t < num_tokens
     pos = tl.load(rope[0] + t, mask=r_mask, other=0).to(tl.int64)
     if EARLY_INDEX_LOADS:
         cos, sin = _load_cos_sin(rope, pos, max_pos, r_mask, R, BLOCK_R2)
-        _wait_for_inputs(USE_PDL)
+        if FIRST:
+            _wait_for_inputs(USE_PDL)
     if OP != OP_ROPE_CACHE:
         o_mask = r_mask & (t >= key_start)  # rows with an output row (op 2: every row)
         n_off = (t - key_start) * stride_n_t + h * stride_n_h
@@ -620,10 +682,33 @@ def _query_program(pid, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCALE: tl
         x = tl.load(nope_ptr + n_off[:, None] + col[None, :] * stride_n_d, mask=n_mask, other=0.0)
         scale, inv_scale = _load_scale(out_scale_ptr, OUT_STORE)
         o_off = (t - key_start) * stride_o_t + h * stride_o_h
+    else:
+        o_mask, n_off, n_mask, x, scale, inv_scale, o_off = 0, 0, 0, 0, 1.0, 1.0, 0
     q_off = t * stride_q_t + h * stride_q_h
     q1, q2 = _load_halves(q_pe_ptr, q_off, r_mask, IS_NEOX, R, BLOCK_R2, stride_q_r, BLOCK_ROWS)
     if not EARLY_INDEX_LOADS:
         cos, sin = _load_cos_sin(rope, pos, max_pos, r_mask, R, BLOCK_R2)
+    return r_mask, o_mask, n_off, n_mask, x, scale, inv_scale, o_off, q_off, q1, q2, cos, sin
+
+
+@triton.jit
+def _query_tile_stores(tile, q_pe, nope, out, dims, meta, POW2_SCALE: tl.constexpr):
+    """A query tile's rotation and stores (``tile``: what _query_tile_loads returned)."""
+    R: tl.constexpr = dims[2]
+    NOPE: tl.constexpr = dims[3]
+    OP: tl.constexpr = meta[0]
+    IS_NEOX: tl.constexpr = meta[1]
+    NOPE_FIRST: tl.constexpr = meta[2]
+    OUT_STORE: tl.constexpr = _pow2_scaled(meta[4]) if POW2_SCALE else meta[4]
+    BLOCK_ROWS: tl.constexpr = meta[6]
+    BLOCK_R2: tl.constexpr = _pow2_at_least(R // 2)
+    BLOCK_N: tl.constexpr = _row_step(NOPE)
+    q_pe_ptr, stride_q_r = q_pe[0], q_pe[3]
+    nope_ptr, stride_n_d = nope[0], nope[3]
+    out_ptr, stride_o_d = out[0], out[4]
+    r_mask, o_mask, n_off, n_mask, x, scale, inv_scale = tile[0], tile[1], tile[2], tile[3], tile[4], tile[5], tile[6]
+    o_off, q_off, q1, q2, cos, sin = tile[7], tile[8], tile[9], tile[10], tile[11], tile[12]
+
     q1, q2 = _rotate(q1, q2, cos, sin)
     if OP != OP_DECODE:
         _store_rotated(q_pe_ptr, q_off, q1.to(q_pe_ptr.dtype.element_ty), q2.to(q_pe_ptr.dtype.element_ty),
@@ -636,6 +721,7 @@ def _query_program(pid, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCALE: tl
                        stride_o_d, BLOCK_ROWS)  # fmt: skip
     if OP != OP_ROPE_CACHE:
         nope_col = R if (OP == OP_DECODE and not NOPE_FIRST) else 0
+        col = tl.arange(0, BLOCK_N)
         x = _round_for_store(x.to(tl.float32), scale, inv_scale, out_ptr, OUT_STORE)
         tl.store(out_ptr + o_off[:, None] + (nope_col + col[None, :]) * stride_o_d, x, mask=n_mask)
         for n0 in tl.static_range(BLOCK_N, NOPE, BLOCK_N):  # nope widths past BLOCK_N (> 512)
@@ -804,7 +890,9 @@ def _launch_config_for(p: Problem, op: int, sms: int, pdl: bool) -> dict:
     block_h = _pow2(H) if op == OP_PREFILL.value else 1
     while block_h > 1 and block_t * block_h * R > 2048:
         block_h //= 2
-    return dict(BLOCK_T=block_t, BLOCK_ROWS=block_rows, BLOCK_H=block_h,
+    # One tile per program (TILES): several per program keep a program's next loads in flight while
+    # it stores (issue 41's S4); which shapes that pays for is a GPU measurement not yet made.
+    return dict(BLOCK_T=block_t, BLOCK_ROWS=block_rows, BLOCK_H=block_h, TILES=1,
                 num_warps=4, USE_PDL=pdl)  # fmt: skip
 
 
@@ -915,14 +1003,15 @@ class BoundLaunch:
             return plan
         cfg = _launch_config(dataclasses.replace(self.p, num_tokens=T), self.op, self.device)
         constexprs = dict(self.base_constexprs, BLOCK_T=cfg["BLOCK_T"], BLOCK_ROWS=cfg["BLOCK_ROWS"],
-                          BLOCK_H=cfg["BLOCK_H"],
+                          BLOCK_H=cfg["BLOCK_H"], TILES=cfg["TILES"],
                           USE_PDL=cfg["USE_PDL"],
                           EARLY_INDEX_LOADS=self.early_index_loads and cfg["USE_PDL"])  # fmt: skip
         constexprs = {name: constexprs[name] for name in self.constexpr_names}
         values = tuple(constexprs.values())
-        n_cache = _cdiv(T, cfg["BLOCK_T"])
-        plan = _Plan(n_cache + _cdiv(T * self.p.num_heads, cfg["BLOCK_ROWS"]), n_cache, cfg["num_warps"],
-                     constexprs, values)  # fmt: skip
+        tiles = cfg["TILES"]  # tiles per program, of either kind
+        n_cache = _cdiv(_cdiv(T, cfg["BLOCK_T"]), tiles)
+        n_query = _cdiv(_cdiv(T * self.p.num_heads, cfg["BLOCK_ROWS"]), tiles)
+        plan = _Plan(n_cache + n_query, n_cache, cfg["num_warps"], constexprs, values)
         kernel = self.kernels.get(values)
         if kernel is not None:
             plan.compiled = _compiled(kernel)
