@@ -228,14 +228,14 @@ MUTANTS = [
            "early loads of the index copy the host launched just before"),
     Mutant("early-query-table-rows-of-the-token", K,
            "cos, sin = _load_cos_sin(rope, pos, max_pos, r_mask, R, BLOCK_R2)\n"
-           "        if FIRST:\n            _wait_for_inputs(USE_PDL)",
+           "        if FIRST_TILE:\n            _wait_for_inputs(USE_PDL)",
            "cos, sin = _load_cos_sin(rope, t, max_pos, r_mask, R, BLOCK_R2)\n"
-           "        if FIRST:\n            _wait_for_inputs(USE_PDL)",
+           "        if FIRST_TILE:\n            _wait_for_inputs(USE_PDL)",
            "tests/test_binding.py -k early_index_loads_change_no_byte",
            "the early copy of the query programs' table load takes the token index for the position"),
     Mutant("early-cache-programs-never-wait", K,
            "cos, sin = _load_cos_sin(rope, pos, max_pos, t_mask, R, BLOCK_R2)\n"
-           "        if FIRST:\n            _wait_for_inputs(USE_PDL)",
+           "        if FIRST_TILE:\n            _wait_for_inputs(USE_PDL)",
            "cos, sin = _load_cos_sin(rope, pos, max_pos, t_mask, R, BLOCK_R2)\n",
            "tests/backends/test_triton_cuda_compile.py -k 'index_and_table_loads and rope_cache_write and bfloat16'",
            "early loads on, and the cache programs read k_pe and kv_c without waiting for their writer"),
@@ -250,6 +250,18 @@ MUTANTS = [
            "        _query_tile_stores(tile, q_pe, nope, out, dims, meta, POW2_SCALE)\n",
            f"{OPS} -k several_tiles",
            "a query program stores its first tile again in place of the next"),
+    Mutant("every-tile-waits", K,
+           "        cos, sin = _load_cos_sin(rope, pos, max_pos, t_mask, R, BLOCK_R2)\n        if FIRST_TILE:\n"
+           "            _wait_for_inputs(USE_PDL)",
+           "        cos, sin = _load_cos_sin(rope, pos, max_pos, t_mask, R, BLOCK_R2)\n        if True:\n"
+           "            _wait_for_inputs(USE_PDL)",
+           "tests/test_binding.py -k several_tiles",
+           "every tile of a cache program waits for the previous kernel (and lets the next one launch) again"),
+    Mutant("query-grid-not-shrunk", K,
+           'n_query = _cdiv(_cdiv(T * self.p.num_heads, cfg["BLOCK_ROWS"]), tiles)',
+           'n_query = _cdiv(T * self.p.num_heads, cfg["BLOCK_ROWS"])',
+           "tests/backends/test_triton_launch.py -k shrinks_each",
+           "TILES times too many query programs, the extra ones all masked"),
     Mutant("plugin-early-promise-dropped", "vllm_mla_fusion/vllm_plugin/attention.py",
            "attn._bound_ops = BoundOps(backend, validation.debug_enabled(), early_index_loads=EARLY_INDEX_LOADS)",
            "attn._bound_ops = BoundOps(backend, validation.debug_enabled())",

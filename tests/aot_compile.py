@@ -48,7 +48,7 @@ OPS = {
 }
 DSV3 = dict(L=512, R=64)
 OP_NAMES = {"rope_cache_write": "op 1", "decode": "op 2", "prefill": "op 3"}
-TILES = ("BLOCK_T", "BLOCK_ROWS", "BLOCK_H", "num_warps")
+BLOCKS = ("BLOCK_T", "BLOCK_ROWS", "BLOCK_H", "TILES", "num_warps")  # a launch configuration's blocks
 
 
 @dataclass
@@ -202,7 +202,7 @@ class Compiled:
 
         # An op's entry point takes only its own: op 1 has no output store, ops 1 and 2 one head per key store.
         stores = {k: self.kwargs.get(k, "plain") for k in ("CACHE_STORE", "OUT_STORE")}
-        return dict(arch=arch, **asdict(v), label=v.label, tiles={k: self.kwargs.get(k, 1) for k in TILES},
+        return dict(arch=arch, **asdict(v), label=v.label, tiles={k: self.kwargs.get(k, 1) for k in BLOCKS},
                     stores=stores,
                     modes={k.replace("STORE", "MODE"): _store_params(f)["MODE"] for k, f in stores.items()},
                     native_fp8=self.native, seconds=self.seconds)  # fmt: skip
@@ -302,7 +302,7 @@ def table(results: list[dict], intro: str, columns: dict) -> str:
              "| --- " * (4 + len(columns)) + "|"]  # fmt: skip
     for r in results:
         t = r["tiles"]
-        tiles = f"{t['BLOCK_T']} / {t['BLOCK_ROWS']} / {t['BLOCK_H']}"
+        tiles = f"{t['BLOCK_T']} / {t['BLOCK_ROWS']} / {t['BLOCK_H']}" + (f" x {t['TILES']}" if t["TILES"] != 1 else "")
         cells = [r["arch"], OP_NAMES[r["op"]], r["label"], tiles, *(str(cell(r)) for cell in columns.values())]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -173,9 +173,9 @@ def _op_case(op: str, store: str, **kw):
     """A case for ``op`` with bf16 outputs, or with an fp8 cache and fp8 q_out/k_out (scaled where
     the op takes a scale: the key has none)."""
     if store == "fp8":
-        kw = dict(cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.37, **kw)
+        kw = dict(dict(cache_dtype=torch.uint8, kv_cache_dtype="fp8", scale=0.37), **kw)  # kw may set the scale
         if op == "decode":
-            kw.update(q_out_dtype=torch.float8_e4m3fn, q_scale=0.7)
+            kw = dict(dict(q_out_dtype=torch.float8_e4m3fn, q_scale=0.7), **kw)
         if op == "prefill":
             kw.update(k_out_dtype=torch.float8_e4m3fn)
     return make_case(decode=op == "decode", prefill=op == "prefill", **kw)
@@ -281,22 +281,31 @@ def test_fp8_saturates_instead_of_overflowing(backend):
     assert torch.isfinite(case.q_out.float()).all()
 
 
-# Issue 41's S4: a program may take several tiles in turn (TILES), tile i + 1's loads issued before
-# tile i's stores. The normal configurations take one; forced here, with tiles small enough that the
-# last program's tiles lie partly or wholly past the tokens.
-TILED_CASES = [(op, T, 0) for op in OPS for T in (1, 7)] + [("prefill", 9, 3)]  # (op, T, key_start)
+# A program may take several tiles in turn (TILES), tile i + 1's loads issued before tile i's
+# stores. The normal configurations take one; forced here, with tiles small enough that the last
+# program's tiles lie partly or wholly past the tokens.
+# (op, T, key_start, more of the case): a latent width past one 512-column step (the stores' tail
+# loops) and fp8 scales that are powers of two (the programs specialized to them) too.
+TILED_CASES = [(op, T, 0, {}) for op in OPS for T in (1, 7)] + [("prefill", 9, 3, {})] + [
+    (op, 5, 0, {"L": 640, "is_neox": True}) for op in OPS] + [(op, 7, 0, {"pow2_scales": True}) for op in OPS]
+TILED_IDS = [f"{op}-T{T}-s{s}" + "".join(f"-{k}" for k in kw) for op, T, s, kw in TILED_CASES]
 
 
-@pytest.mark.parametrize("op,T,key_start", TILED_CASES, ids=[f"{op}-T{T}-s{s}" for op, T, s in TILED_CASES])
+@pytest.mark.parametrize("op,T,key_start,more", TILED_CASES, ids=TILED_IDS)
 @pytest.mark.parametrize("store", ["bf16", "fp8"])
 @pytest.mark.parametrize("tiles", [2, 3])
-def test_several_tiles_per_program(op, T, key_start, store, tiles):
+def test_several_tiles_per_program(op, T, key_start, more, store, tiles):
     """Every op and store with 2 or 3 tiles per program, of 2 tokens (cache programs) and 4 rows
-    (query programs): results as specified, nothing else written; op 3 also with decode rows first."""
+    (query programs), the last program's tiles partly or wholly past the tokens: results as
+    specified, nothing else written (test_triton_launch checks the grid)."""
     pytest.importorskip("triton")
     from vllm_mla_fusion.backends import triton as tb
 
-    case = _op_case(op, store, T=T, H=3, seed=100 * tiles + T, key_start=key_start)
+    more = dict(more)
+    if more.pop("pow2_scales", False) and store == "fp8":  # (bf16 outputs have no scale)
+        more.update(scale=1.0, **({"q_scale": 2.0} if op == "decode" else {}))
+    case = _op_case(op, store, T=T, H=3, seed=100 * tiles + T, key_start=key_start, **more)
+    cfg = dict(BLOCK_T=2, BLOCK_ROWS=4, BLOCK_H=2, TILES=tiles, num_warps=4, USE_PDL=False)
     cfg = dict(BLOCK_T=2, BLOCK_ROWS=4, BLOCK_H=2, TILES=tiles, num_warps=4, USE_PDL=False)
     with tb.forced_launch_config(cfg):
         _RUN[op](case, "triton")

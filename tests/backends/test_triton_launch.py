@@ -67,6 +67,25 @@ def test_prefill_cache_programs_take_about_8k_elements(H, T, block_t, block_h):
             assert (other["BLOCK_T"], other["BLOCK_H"]) == (8, 1)
 
 
+@pytest.mark.parametrize("op", [1, 2, 3])
+@pytest.mark.parametrize("tiles", [1, 2, 3])
+@pytest.mark.parametrize("T", [1, 5, 9])
+def test_a_program_of_several_tiles_shrinks_each_kind_of_grid(op, tiles, T):
+    """With TILES tiles per program, each kind of program (cache, query) is TILES times fewer,
+    rounded up on its own: the query programs start right after the last cache program."""
+    t = _tensors(op, T)
+    p = Problem(num_tokens=T, num_heads=4, kv_lora_rank=32, rope_dim=16, cache_dtype=torch.float32,
+                nope_dim=8 if op == 3 else None)  # fmt: skip
+    launch = tb.bind(p, op, True, True, *t.values())
+    cfg = dict(BLOCK_T=2, BLOCK_ROWS=4, BLOCK_H=2, TILES=tiles, num_warps=4, USE_PDL=False)
+    with tb.forced_launch_config(cfg):
+        plan = launch.plan(T)
+    cache_tiles, query_tiles = -(-T // 2), -(-T * 4 // 4)
+    assert plan.n_cache == -(-cache_tiles // tiles)
+    assert plan.grid == plan.n_cache + -(-query_tiles // tiles)
+    assert plan.constexprs["TILES"] == tiles
+
+
 def test_forced_launch_config_bypasses_the_cache():
     p, device = _problem(64, 1), torch.device("cpu")
     normal = tb._launch_config(p, 1, device)
@@ -294,11 +313,10 @@ def test_each_op_has_an_entry_point_of_fewer_than_31_parameters(op):
     assert n == pointers + 1 + sizes and all(constexpr[n:]) and len(params) == n + constexprs < 31
 
 
-
 def test_no_kernel_helper_takes_more_than_10_arguments():
-    """Issue 41's S3: below the entry points, every @triton.jit helper of the backend takes at most 10
-    arguments (tensors travel with their strides as tuples). Found from the module, so a new helper is
-    covered too."""
+    """Below the entry points, every @triton.jit helper of the backend takes at most 10 arguments
+    (tensors travel with their strides as tuples). Found from the module, so a new helper is covered
+    too."""
     entry_points = {k.fn for k in tb._KERNELS.values()}
     helpers = {name: obj.fn for name, obj in vars(tb).items()
                if hasattr(obj, "fn") and inspect.isfunction(obj.fn) and obj.fn not in entry_points

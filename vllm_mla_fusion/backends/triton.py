@@ -5,12 +5,12 @@ Each op has its own entry point (``_mla_rope_cache_kernel_op1``, ``_op2``,
 body (``_mla_rope_cache``, with the ``OP`` constexpr) on it. The 1-D grid has
 two kinds of program:
 
-- *cache programs* (the first ``n_cache_programs``), each taking ``BLOCK_T``
-  tokens: load the position and slot, rotate ``k_pe`` (write it back in place
+- *cache programs* (the first ``n_cache_programs``), each taking tiles of
+  ``BLOCK_T`` tokens: load the position and slot, rotate ``k_pe`` (write it back in place
   for ops 1 and 3), and store ``[kv_c | rope(k_pe)]`` into the token's cache
   row unless the slot is padding or past the cache; op 3 also stores
   ``rope(k_pe)`` into the rope part of every head's key row ``k_out[t, h]``;
-- *query programs*, each taking ``BLOCK_ROWS`` (token, head) rows: ops 1 and 3
+- *query programs*, each taking tiles of ``BLOCK_ROWS`` (token, head) rows: ops 1 and 3
   rotate ``q_pe`` in place; op 2 writes ``[ql_nope | rope(q_pe)]`` into
   ``q_out``; op 3 copies ``k_nope`` into the nope part of ``k_out``.
 
@@ -38,10 +38,10 @@ the position.
 
 A program may take several tiles in turn (``TILES``): tile i + 1's loads go out
 before tile i's stores, so that the program keeps bytes in flight while it stores
-(each kind of program is a loads helper and a stores helper). The launch
-configurations take one tile per program for now, for which the kernel compiles
-to the PTX it compiled to before ``TILES`` existed; which shapes gain from more is a
-GPU measurement still to make (docs/performance-history.md).
+(each kind of program is a loads helper and a stores helper; latent and nope
+columns past the first 512 are loaded by the stores helper, as they are stored).
+The launch configurations take one tile per program (docs/performance-history.md
+says which shapes more would be measured on).
 
 The entry points take 24 (op 1), 30 (op 2) and 30 (op 3) parameters: the
 pointers, the sizes, the data tensors' strides as one tuple bound with the
@@ -54,11 +54,7 @@ scale and the fp8 format's constants from it through constexpr functions,
 ``_store_params``). Inside, each tensor travels with its strides (and the cache with
 its slots, an fp8 output with its scale) as one tuple, the sizes as one and the
 constexprs as two (``dims``, ``meta``), so no helper takes more than 10 arguments;
-Triton unpacks tuples while it compiles, and the sm_90 PTX is byte-identical to
-the one with every argument spelled out. The one entry point for all three ops
-they replace took 53, and 63 before one store format per store; the sm_90 PTX of
-every variant compiled the same through those changes, up to register numbering
-(docs/performance.md, "Kernels").
+Triton unpacks tuples while it compiles: they cost no instruction.
 
 fp8 outputs store ``saturate(x / scale)``: the product with the reciprocal and one
 residual step, or, in programs whose scale is a power of two (vLLM's default 1.0;
@@ -187,7 +183,7 @@ def _fp8_bits(x, STORE: tl.constexpr):
 
 @triton.jit
 def _load_scale(scale_ptr, STORE: tl.constexpr):
-    """(scale, 1/scale) of an fp8 output, loaded once per program; (1, 1) without a scale."""
+    """(scale, 1/scale) of an fp8 output, loaded once per tile; (1, 1) without a scale."""
     if _store_param(STORE, "HAS_SCALE"):
         scale = tl.load(scale_ptr)
         inv = tl.fdiv(1.0, scale, ieee_rounding=True)  # correctly rounded on every target (libdevice-free)
@@ -463,8 +459,8 @@ def _mla_rope_cache(rope, q_pe, k_pe, kv_c, cache, nope, out, sizes, dims, meta)
     ``meta``: OP (OP_ROPE_CACHE, OP_DECODE or OP_PREFILL); IS_NEOX; NOPE_FIRST (op 2: q_out =
     [nope | rope], else [rope | nope]); CACHE_STORE and OUT_STORE, the store formats of the cache
     and the output (_store_params: rounding, fp8 format, scale; op 1's output is "plain"); BLOCK_T,
-    tokens per cache program; BLOCK_ROWS, (token, head) rows per query program; BLOCK_H, heads per
-    k_out store in a cache program (op 3); USE_PDL, launched with programmatic dependent launch
+    tokens per cache tile; BLOCK_ROWS, (token, head) rows per query tile; BLOCK_H, heads per
+    k_out store in a cache tile (op 3); USE_PDL, launched with programmatic dependent launch
     (sm_90+); EARLY_INDEX_LOADS, with USE_PDL: positions, slots and cos/sin read before the wait
     (BoundLaunch); TILES, the tiles each program takes in turn (of BLOCK_T tokens or BLOCK_ROWS rows:
     the grid has TILES times fewer programs), the next one's loads before the last one's stores."""
@@ -507,11 +503,12 @@ def _cache_program(pid, rope, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SC
     This program is the only one that reads or writes k_pe, which is what makes the
     in-place rotation safe while op 3's key rows need the un-rotated value.
 
-    Every load of a tile is issued before any of its stores (_cache_tile_loads, then
-    _cache_tile_stores): the compiler may not move a load above a store that could alias it, and
-    on small batches each serialized round trip to memory is a visible part of the kernel's time.
-    With several tiles, tile i + 1's loads go out before tile i's stores, so that a program keeps
-    bytes in flight while it stores.
+    A tile's loads are issued before any of its stores (_cache_tile_loads, then
+    _cache_tile_stores; latent columns past the first 512 excepted, loaded as they are stored):
+    the compiler may not move a load above a store that could alias it, and on small batches each
+    serialized round trip to memory is a visible part of the kernel's time. With several tiles,
+    tile i + 1's loads go out before tile i's stores, so that a program keeps bytes in flight
+    while it stores.
     """
     TILES: tl.constexpr = meta[10]
     tile = _cache_tile_loads(pid * TILES, rope, k_pe, kv_c, cache, sizes, dims, meta, POW2_SCALE, True)
@@ -524,13 +521,13 @@ def _cache_program(pid, rope, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SC
 
 @triton.jit
 def _cache_tile_loads(index, rope, k_pe, kv_c, cache, sizes, dims, meta, POW2_SCALE: tl.constexpr,
-                      FIRST: tl.constexpr):  # fmt: skip
+                      FIRST_TILE: tl.constexpr):  # fmt: skip
     """Cache tile ``index``'s loads, returned as the tile ``_cache_tile_stores`` takes.
 
     The loads that do not depend on the position (kv_c, k_pe) go out before the rope table's,
     which waits for the position to arrive; with ``EARLY_INDEX_LOADS`` the positions, slots and
-    table rows are read first, before the grid-dependency wait (the ``FIRST`` tile's: the later
-    tiles come after it), overlapping the previous kernel's tail (BoundLaunch says when)."""
+    table rows are read first, before the grid-dependency wait (the first tile's, ``FIRST_TILE``:
+    the later tiles come after it), overlapping the previous kernel's tail (BoundLaunch says when)."""
     L: tl.constexpr = dims[1]
     R: tl.constexpr = dims[2]
     IS_NEOX: tl.constexpr = meta[1]
@@ -551,7 +548,7 @@ def _cache_tile_loads(index, rope, k_pe, kv_c, cache, sizes, dims, meta, POW2_SC
     slot = tl.load(slot_ptr + t, mask=t_mask, other=-1).to(tl.int64)
     if EARLY_INDEX_LOADS:
         cos, sin = _load_cos_sin(rope, pos, max_pos, t_mask, R, BLOCK_R2)
-        if FIRST:
+        if FIRST_TILE:
             _wait_for_inputs(USE_PDL)
     col = tl.arange(0, BLOCK_L)
     c_mask = t_mask[:, None] & (col < L)[None, :]
@@ -566,7 +563,8 @@ def _cache_tile_loads(index, rope, k_pe, kv_c, cache, sizes, dims, meta, POW2_SC
 
 @triton.jit
 def _cache_tile_stores(tile, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SCALE: tl.constexpr):
-    """A cache tile's rotation and stores (``tile``: what _cache_tile_loads returned)."""
+    """A cache tile's rotation and stores (``tile``: what _cache_tile_loads returned), and the loads
+    of latent columns past the first 512, each step stored as it is loaded."""
     H: tl.constexpr = dims[0]
     L: tl.constexpr = dims[1]
     R: tl.constexpr = dims[2]
@@ -584,8 +582,7 @@ def _cache_tile_stores(tile, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SCA
     kv_c_ptr, stride_c_t, stride_c_l = kv_c[0], kv_c[1], kv_c[2]
     cache_ptr, stride_kv_b, stride_kv_s, stride_kv_d = cache[1], cache[3], cache[4], cache[5]
     BLOCK_SIZE: tl.constexpr = cache[6]
-    t, t_mask, slot, c, k_off = tile[0], tile[1], tile[2], tile[3], tile[4]
-    k1, k2, cos, sin, scale, inv_scale = tile[5], tile[6], tile[7], tile[8], tile[9], tile[10]
+    t, t_mask, slot, c, k_off, k1, k2, cos, sin, scale, inv_scale = tile
 
     k1, k2 = _rotate(k1, k2, cos, sin)
     if OP != OP_DECODE:
@@ -644,7 +641,7 @@ def _query_program(pid, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCALE: tl
 
 @triton.jit
 def _query_tile_loads(index, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCALE: tl.constexpr,
-                      FIRST: tl.constexpr):  # fmt: skip
+                      FIRST_TILE: tl.constexpr):  # fmt: skip
     """Query tile ``index``'s loads, returned as the tile ``_query_tile_stores`` takes. As in
     _cache_tile_loads, the position-independent loads (the nope input, q_pe) go out before the
     rope table's; with ``EARLY_INDEX_LOADS``, the positions and the table rows before the
@@ -672,7 +669,7 @@ def _query_tile_loads(index, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCAL
     pos = tl.load(rope[0] + t, mask=r_mask, other=0).to(tl.int64)
     if EARLY_INDEX_LOADS:
         cos, sin = _load_cos_sin(rope, pos, max_pos, r_mask, R, BLOCK_R2)
-        if FIRST:
+        if FIRST_TILE:
             _wait_for_inputs(USE_PDL)
     if OP != OP_ROPE_CACHE:
         o_mask = r_mask & (t >= key_start)  # rows with an output row (op 2: every row)
@@ -693,7 +690,8 @@ def _query_tile_loads(index, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCAL
 
 @triton.jit
 def _query_tile_stores(tile, q_pe, nope, out, dims, meta, POW2_SCALE: tl.constexpr):
-    """A query tile's rotation and stores (``tile``: what _query_tile_loads returned)."""
+    """A query tile's rotation and stores (``tile``: what _query_tile_loads returned), and the loads
+    of nope columns past the first 512, each step stored as it is loaded."""
     R: tl.constexpr = dims[2]
     NOPE: tl.constexpr = dims[3]
     OP: tl.constexpr = meta[0]
@@ -706,8 +704,7 @@ def _query_tile_stores(tile, q_pe, nope, out, dims, meta, POW2_SCALE: tl.constex
     q_pe_ptr, stride_q_r = q_pe[0], q_pe[3]
     nope_ptr, stride_n_d = nope[0], nope[3]
     out_ptr, stride_o_d = out[0], out[4]
-    r_mask, o_mask, n_off, n_mask, x, scale, inv_scale = tile[0], tile[1], tile[2], tile[3], tile[4], tile[5], tile[6]
-    o_off, q_off, q1, q2, cos, sin = tile[7], tile[8], tile[9], tile[10], tile[11], tile[12]
+    r_mask, o_mask, n_off, n_mask, x, scale, inv_scale, o_off, q_off, q1, q2, cos, sin = tile
 
     q1, q2 = _rotate(q1, q2, cos, sin)
     if OP != OP_DECODE:
@@ -871,8 +868,11 @@ def _launch_config_for(p: Problem, op: int, sms: int, pdl: bool) -> dict:
     else:
         target = 4096 if op != OP_ROPE_CACHE.value or H * R >= 4096 else 2048
     block_rows = max(1, min(_pow2(max(1, target // row_elems)), 256))
-    # Shrink while the grid would leave most SMs idle.
-    while block_rows > 1 and _cdiv(rows, block_rows) < sms:
+    # One tile per program: with TILES > 1 a program keeps its next tile's loads in flight while it
+    # stores, at about twice the registers (docs/performance-history.md).
+    tiles = 1
+    # Shrink while the grid (programs, not tiles) would leave most SMs idle.
+    while block_rows > 1 and _cdiv(rows, block_rows * tiles) < sms:
         block_rows //= 2
     # Cache programs: ~4K elements for ops 1 and 2 (8 tokens of L + R = 576 at DeepSeek's sizes).
     # Op 3's tokens also store their key's rope part for every head (H * R more): there the tuner
@@ -883,16 +883,14 @@ def _launch_config_for(p: Problem, op: int, sms: int, pdl: bool) -> dict:
         block_t = min(_pow2_floor(8192 // (L + R + H * R)), 64)
     else:
         block_t = min(_pow2(max(1, 4096 // (L + R))), 64)
-    while block_t > 1 and _cdiv(p.num_tokens, block_t) < sms // 2:
+    while block_t > 1 and _cdiv(p.num_tokens, block_t * tiles) < sms // 2:
         block_t //= 2
     # Op 3's cache programs store the key's rope part for every head in tiles of ~2K elements
     # (at H=16, 4 tokens by 8 heads: the tuner's joint grid timed 8 heads as fast as 16).
     block_h = _pow2(H) if op == OP_PREFILL.value else 1
     while block_h > 1 and block_t * block_h * R > 2048:
         block_h //= 2
-    # One tile per program (TILES): several per program keep a program's next loads in flight while
-    # it stores (issue 41's S4); which shapes that pays for is a GPU measurement not yet made.
-    return dict(BLOCK_T=block_t, BLOCK_ROWS=block_rows, BLOCK_H=block_h, TILES=1,
+    return dict(BLOCK_T=block_t, BLOCK_ROWS=block_rows, BLOCK_H=block_h, TILES=tiles,
                 num_warps=4, USE_PDL=pdl)  # fmt: skip
 
 
