@@ -12,6 +12,7 @@ Modules, in the order a run uses them:
 - ``plan``: what fits the time budget, from guesses and then measured times;
 - ``server``: one ``vllm serve`` process, its health and the plugin's log line;
 - ``client``: the process that runs vLLM's ``bench serve`` for one server's loads;
+- ``step_profile`` and ``host_samples``: where a profiled or sampled load's time went;
 - ``report``: vLLM's result files gathered per side, compared, as JSON, markdown and a plot;
 - ``run``: the driver that ties them together.
 

@@ -13,7 +13,9 @@ server's processes and its own, the size of the server's log before and after
 (the driver reads which kernels compiled during the load from the bytes between), and any
 error. A load whose estimate no longer fits the deadline is recorded as skipped and not
 started. A profiled load (its spec has ``profile``) runs inside one profiling session of the
-server's workers (step_profile.py); the entry names the session's prefix, or why it failed.
+server's workers (step_profile.py); the entry names the session's prefix, or why it failed. A
+sampled load (``pyspy``) runs with py-spy attached to the server's engine core (host_samples.py);
+the entry says what was sampled, or why nothing was.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def run(spec: dict) -> int:
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from . import step_profile
+    from . import host_samples, step_profile
 
     progress = Path(spec["progress"])
     go, stop = Path(spec["go_file"]), Path(spec["stop_file"])
@@ -98,16 +100,21 @@ def run(spec: dict) -> int:
         args = parser.parse_args(load["args"])
         before = _readings(spec)
         t = time.monotonic()
-        session = load.get("profile")
+        session, sampled = load.get("profile"), load.get("pyspy")
+        sampler = None
         try:
             if session:
                 step_profile.start(spec["port"], session)
                 entry["profile_prefix"] = session["prefix"]
+            if sampled:
+                sampler, entry["pyspy"] = host_samples.start(spec["server_pid"], sampled["output"])
             try:
                 result = main(args)
             finally:
                 if session:
                     step_profile.stop(spec["port"])
+                if sampled:
+                    entry["pyspy"] = host_samples.stop(sampler, entry["pyspy"])
             entry["completed"] = result.get("completed")
         except Exception as e:  # noqa: BLE001 - recorded; the next load may still run
             entry["error"] = f"{type(e).__name__}: {e}"

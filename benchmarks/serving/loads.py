@@ -13,6 +13,8 @@ and ``range`` optional), or chosen from ``PRESETS`` by name. ``range`` is vLLM's
 ``--random-range-ratio``: lengths drawn from [len * (1 - F), len * (1 + F)] instead of fixed.
 ``profile=N[,skip=K]`` makes it a profiled load (step_profile.py): the server's workers record N
 engine steps after the first K; its latencies are not reported (the profiler slows the server).
+``pyspy=1`` makes it a sampled load (host_samples.py): py-spy samples the engine core's Python
+stacks for the length of the load; its latencies are not reported either.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Load:
     range_ratio: float = 0.0  # vLLM's --random-range-ratio: 0, every prompt and output its fixed length
     profile_steps: int = 0  # > 0: a profiled load, this many engine steps recorded (step_profile.py)
     profile_skip: int = 0  # engine steps before the recording starts (the load's ramp-up)
+    pyspy: bool = False  # the engine core's host stacks sampled by py-spy during the load (host_samples.py)
 
     def describe(self) -> str:
         arrival = f"{self.request_rate:g} req/s" if math.isfinite(self.request_rate) else "all at once"
@@ -46,7 +49,8 @@ class Load:
         spread = f" (each +-{100 * self.range_ratio:g}%)" if self.range_ratio else ""
         profiled = f", profiled: engine steps {self.profile_skip}-{self.profile_skip + self.profile_steps}" \
             if self.profile_steps else ""  # fmt: skip
-        return f"{self.input_len} in / {self.output_len} out{spread}, {arrival}, {self.prompts} prompts{profiled}"
+        sampled = ", engine core sampled by py-spy" if self.pyspy else ""
+        return f"{self.input_len} in / {self.output_len} out{spread}, {arrival}, {self.prompts} prompts{profiled}{sampled}"
 
     def bench_args(self, *, served_model: str, tokenizer: str, port: int, seed: int, prompts: int,
                    result_dir: str, result_filename: str, metadata: dict[str, object],
@@ -108,16 +112,19 @@ PRESETS: dict[str, Load] = {
         Load("prefill", 4096, 32, 4.0, prompts=60),
         Load("short32", 256, 128, 32.0, prompts=400),
         Load("profile16", 1024, 128, 16.0, prompts=80, measured=False, profile_steps=150, profile_skip=50),
+        Load("pyspy16", 1024, 128, 16.0, prompts=80, measured=False, pyspy=True),
     )
 }
-# short32, profile16 and warm1k are not among the defaults (the issue's loads): name them (--loads) where
+# ``pyspy16`` is the same mix with the engine core's host stacks sampled (host_samples.py): where the
+# host time of host-bound steps goes, which the torch profiler, slowing the host, cannot compare.
+# short32, profile16, pyspy16 and warm1k are not among the defaults (the issue's loads): name them (--loads) where
 # piecewise-graph steps, or where the time goes, are the question.
 DEFAULT_LOADS = ("warmup", "warmup_decode", "rate4", "rate16", "saturate", "prefill")
 
 
 def parse_load(text: str) -> Load:
     """A preset's name, or ``name=NAME,in=N,out=N,rate=R[,concurrency=C],prompts=N[,range=F][,warmup=1]
-    [,profile=N[,skip=K]]``."""
+    [,profile=N[,skip=K]][,pyspy=1]``."""
     if "=" not in text:
         if text not in PRESETS:
             raise ValueError(f"unknown load {text!r}; presets: {sorted(PRESETS)}")
@@ -128,13 +135,14 @@ def parse_load(text: str) -> Load:
         if not sep:
             raise ValueError(f"load {text!r}: {item!r} is not KEY=VALUE")
         fields[key.strip()] = value.strip()
-    known = {"name", "in", "out", "rate", "concurrency", "prompts", "range", "warmup", "profile", "skip"}
+    known = {"name", "in", "out", "rate", "concurrency", "prompts", "range", "warmup", "profile", "skip", "pyspy"}
     if set(fields) - known or not {"name", "in", "out", "rate", "prompts"} <= set(fields):
         raise ValueError(f"load {text!r}: keys name, in, out, rate, prompts (and optionally concurrency, range, "
-                         "warmup, profile, skip)")  # fmt: skip
+                         "warmup, profile, skip, pyspy)")  # fmt: skip
     if "skip" in fields and "profile" not in fields:
         raise ValueError(f"load {text!r}: skip counts the steps before a profile: give profile=N too")
     profile_steps = int(fields.get("profile", "0"))
+    pyspy = fields.get("pyspy", "0") in ("1", "true", "yes")
     load = Load(
         name=fields["name"],
         input_len=int(fields["in"]),
@@ -142,11 +150,12 @@ def parse_load(text: str) -> Load:
         request_rate=float(fields["rate"]),
         prompts=int(fields["prompts"]),
         max_concurrency=int(fields["concurrency"]) if "concurrency" in fields else None,
-        # A profiled load's latencies are the profiler's as much as the server's: never reported.
-        measured=fields.get("warmup", "0") not in ("1", "true", "yes") and not profile_steps,
+        # A profiled or sampled load's latencies are the profiler's as much as the server's: never reported.
+        measured=fields.get("warmup", "0") not in ("1", "true", "yes") and not profile_steps and not pyspy,
         range_ratio=float(fields.get("range", "0")),
         profile_steps=profile_steps,
         profile_skip=int(fields.get("skip", "0")),
+        pyspy=pyspy,
     )
     if load.profile_steps < 0 or load.profile_skip < 0:
         raise ValueError(f"load {text!r}: profile and skip count engine steps: not negative")
@@ -164,8 +173,8 @@ def parse_loads(texts: list[str]) -> list[Load]:
     names = [load.name for load in loads]
     if len(set(names)) != len(names):
         raise ValueError(f"a load name is given twice: {names}")
-    if not any(load.measured or load.profile_steps for load in loads):
-        raise ValueError("every load is a warm-up: nothing would be measured or profiled")
+    if not any(load.measured or load.profile_steps or load.pyspy for load in loads):
+        raise ValueError("every load is a warm-up: nothing would be measured, profiled or sampled")
     return loads
 
 

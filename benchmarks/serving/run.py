@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from .. import provenance
-from . import configs, models, probe, report, step_profile
+from . import configs, host_samples, models, probe, report, step_profile
 from .loads import parse_loads, scaled_prompts
 from .plan import MIN_SCALE, PROBE_S, SPEEDS, TEARDOWN_S, Estimator, Measured, plan
 from .server import (PortTaken, Server, ServerFailed, ServerSpec, confirm_side, engine_steps, kernel_compiles,
@@ -51,7 +51,7 @@ CPU_SERVER_ARGS = [*GPU_SERVER_ARGS, "--dtype", "float32", "--enforce-eager", "-
 
 
 # Load fields added after runs were kept: run_key leaves them out where unset, so those runs resume.
-LATER_LOAD_FIELDS = ("range_ratio", "profile_steps", "profile_skip")
+LATER_LOAD_FIELDS = ("range_ratio", "profile_steps", "profile_skip", "pyspy")
 
 
 def log(msg: str) -> None:
@@ -375,6 +375,7 @@ class Benchmark:
             record["loads"] = self.read_progress(index, side)
             attribute_server_log(record["loads"], server.log_path)
             self.read_profiles(index, side, record["loads"])
+            self.read_host_samples(index, side, record["loads"])
             for entry in record["loads"]:
                 if "error" in entry:
                     record.setdefault("error", f"load {entry['load']}: {entry['error']}")
@@ -462,6 +463,22 @@ class Benchmark:
             log(f"server {index} ({side.name}): {entry['load']} profiled, {summary['steps']} steps ({kinds}), "
                 f"read in {summary['read_s']} s")  # fmt: skip
 
+    def read_host_samples(self, index: int, side: Side, loads: list[dict]) -> None:
+        """Each sampled load's ``pyspy_summary`` (host_samples.summarize), or why there is none."""
+        for entry in loads:
+            record = entry.get("pyspy")
+            if not record:
+                continue
+            if "error" in record:
+                entry["pyspy_summary"] = {"error": record["error"]}
+                continue
+            try:
+                entry["pyspy_summary"] = summary = host_samples.summarize(record["output"])
+            except (OSError, ValueError) as e:  # the loads' figures stand without it
+                entry["pyspy_summary"] = {"error": f"{type(e).__name__}: {e}"}
+                continue
+            log(f"server {index} ({side.name}): {entry['load']} sampled by py-spy, {summary['samples']} samples")
+
     def client_spec(self, index: int, side: Side, port: int, scale: float, server_pid: int | None = None) -> dict:
         a = self.args
         loads = []
@@ -481,6 +498,8 @@ class Benchmark:
             if load.profile_steps:
                 loads[-1]["profile"] = {"prefix": step_profile.prefix(index, side.slug, load.name),
                                         "skip": load.profile_skip, "steps": load.profile_steps}  # fmt: skip
+            if load.pyspy:
+                loads[-1]["pyspy"] = {"output": str(self.results_dir / f"pyspy-{name}.txt")}
         return {
             "port": port,
             "server_pid": server_pid,
@@ -598,6 +617,7 @@ class Benchmark:
                                       hosts),
             "probe": self.probe_summary() if a.probe else None,
             "step_profile": step_profile.compare_sides(servers) if self.profiled else None,
+            "host_samples": host_samples.compare_sides(servers) if any(ld.pyspy for ld in a.load_list) else None,
             "problems": [],
             "measured_times": self.measured.to_json(),
             "skipped": self.skipped,
@@ -612,6 +632,7 @@ class Benchmark:
         base.with_suffix(".json").write_text(json.dumps(out, indent=1, default=str))
         markdown = report.markdown(out) + (probe.markdown(out["probe"]) if out["probe"] else "")
         markdown += step_profile.markdown(out["step_profile"]) if out["step_profile"] else ""
+        markdown += host_samples.markdown(out["host_samples"]) if out["host_samples"] else ""
         base.with_suffix(".md").write_text(markdown)
         # The raw material beside the report: vLLM's own result files, server and client logs.
         raw = a.out / f"serving_{a.tag}_raw"

@@ -1,0 +1,160 @@
+"""benchmarks/serving/host_samples.py: py-spy's collapsed stacks read into shares, the sides compared, the
+sampler attached to a server's engine core and stopped (a stand-in py-spy), and the load that asks for it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks.serving import host_samples as hs
+from benchmarks.serving import run
+from benchmarks.serving.loads import DEFAULT_LOADS, PRESETS, parse_load
+
+# Three stacks, 10 samples: step() in 8 of them, the plugin's op in 3, vLLM's scheduler in 2.
+COLLAPSED = """\
+<module> (serve.py:1);run_engine (core.py:40);step (core.py:88);forward (mla.py:10);forward_fused (attention.py:271) 3
+<module> (serve.py:1);run_engine (core.py:40);step (core.py:88);schedule (scheduler.py:200) 2
+<module> (serve.py:1);run_engine (core.py:41);step (core.py:90) 3
+<module> (serve.py:1);run_engine (core.py:44);busy_loop (core.py:60) 2
+not a stack line
+"""
+
+
+def test_stacks_read_into_inclusive_and_self_shares(tmp_path):
+    path = tmp_path / "s.txt"
+    path.write_text(COLLAPSED)
+    stacks = hs.read_stacks(COLLAPSED)
+    assert sum(stacks.values()) == 10 and len(stacks) == 4  # the malformed line is skipped
+    s = hs.summarize(str(path))
+    assert s["samples"] == 10
+    # One function is one row whatever its line: step() at core.py:88 and :90.
+    assert s["inclusive"]["step (core.py)"] == pytest.approx(0.8)
+    assert s["inclusive"]["run_engine (core.py)"] == pytest.approx(1.0)
+    assert s["inclusive"]["forward_fused (attention.py)"] == pytest.approx(0.3)
+    assert s["self"] == pytest.approx({"forward_fused (attention.py)": 0.3, "step (core.py)": 0.3,
+                                       "schedule (scheduler.py)": 0.2, "busy_loop (core.py)": 0.2})  # fmt: skip
+    empty = tmp_path / "e.txt"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="no samples"):
+        hs.summarize(str(empty))
+
+
+def test_sides_pooled_by_samples_and_their_differences():
+    def server(side, samples, shares):
+        return {"side": side, "loads": [{"load": "pyspy16", "pyspy_summary": {"samples": samples, "inclusive": shares}}]}
+
+    servers = [server("on", 100, {"step (core.py)": 0.9, "forward_fused (attention.py)": 0.3}),
+               server("off", 300, {"step (core.py)": 0.6, "concat (mla.py)": 0.1}),
+               server("on", 300, {"step (core.py)": 0.5, "forward_fused (attention.py)": 0.1}),
+               {"side": "off", "loads": [{"load": "pyspy16", "pyspy_summary": {"error": "py-spy is not on PATH"}}]}]
+    c = hs.compare_sides(servers)
+    assert c["samples"] == {"on": 400, "off": 300}
+    assert c["inclusive"]["on"]["step (core.py)"] == pytest.approx((90 + 150) / 400)
+    delta = c["differences"]["on - off"]
+    assert delta["step (core.py)"] == pytest.approx(0.6 - 0.6)
+    assert delta["forward_fused (attention.py)"] == pytest.approx(0.15) and delta["concat (mla.py)"] == pytest.approx(-0.1)
+    text = hs.markdown(c)
+    assert "**on** (400 samples)" in text and "+15.0  forward_fused (attention.py)" in text
+
+
+# A stand-in py-spy: records its arguments, writes its output file when interrupted, as py-spy does.
+FAKE_PY_SPY = """#!{python}
+import signal, sys, time
+args = sys.argv[1:]
+open({argv_file!r}, "w").write(" ".join(args))
+out = args[args.index("--output") + 1]
+def done(*_):
+    open(out, "w").write("main (x.py:1);step (core.py:2) 5\\n")
+    sys.exit(0)
+signal.signal(signal.SIGINT, done)
+while True:
+    time.sleep(0.05)
+"""
+
+
+@pytest.fixture
+def fake_py_spy(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    exe = bin_dir / "py-spy"
+    argv_file = tmp_path / "argv.txt"
+    exe.write_text(FAKE_PY_SPY.format(python=sys.executable, argv_file=str(argv_file)))
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return argv_file
+
+
+def _server_with_engine_core():
+    """A process standing for `vllm serve`, with a child titled as vLLM titles its engine core."""
+    server = subprocess.Popen(["bash", "-c", "(exec -a VLLM::EngineCore_DP0 sleep 60) & wait"], start_new_session=True)
+    psutil = pytest.importorskip("psutil")
+    for _ in range(100):
+        children = psutil.Process(server.pid).children(recursive=True)
+        if any("EngineCore" in (c.cmdline() or [""])[0] for c in children):
+            return server, next(c.pid for c in children if "EngineCore" in c.cmdline()[0])
+        time.sleep(0.05)
+    os.killpg(server.pid, signal.SIGKILL)
+    pytest.fail("the stand-in engine core never started")
+
+
+def test_the_sampler_attaches_to_the_engine_core_and_writes_on_stop(tmp_path, fake_py_spy):
+    server, engine = _server_with_engine_core()
+    try:
+        assert hs.engine_pid(server.pid) == engine
+        out = tmp_path / "results" / "pyspy-00-on-pyspy16.txt"
+        proc, record = hs.start(server.pid, str(out))
+        assert record == {"output": str(out), "pid": engine, "engine_core": True, "rate_hz": hs.RATE_HZ}
+        for _ in range(100):
+            if fake_py_spy.exists():
+                break
+            time.sleep(0.05)
+        args = fake_py_spy.read_text().split()
+        assert args[:3] == ["record", "--pid", str(engine)] and "--nonblocking" in args and "raw" in args
+        record = hs.stop(proc, record)
+        assert record["exit"] == 0 and "error" not in record
+        assert hs.summarize(str(out))["inclusive"]["step (core.py)"] == 1.0
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def test_the_sampler_reports_why_nothing_was_sampled(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no py-spy there
+    proc, record = hs.start(os.getpid(), str(tmp_path / "x.txt"))
+    assert proc is None and record == {"error": "py-spy is not on PATH"}
+    assert hs.stop(proc, record) == record
+    assert hs.engine_pid(os.getpid()) == os.getpid()  # no engine core: the process itself
+
+
+def test_a_sampled_load_is_never_reported_and_its_spec_names_its_file(tmp_path):
+    load = parse_load("name=s,in=64,out=8,rate=4,prompts=6,pyspy=1")
+    assert load.pyspy and not load.measured
+    assert not parse_load("name=s,in=64,out=8,rate=4,prompts=6").pyspy
+    p16, r16 = PRESETS["pyspy16"], PRESETS["rate16"]
+    assert (p16.input_len, p16.output_len, p16.request_rate) == (r16.input_len, r16.output_len, r16.request_rate)
+    assert p16.pyspy and not p16.measured and "pyspy16" not in DEFAULT_LOADS and "py-spy" in p16.describe()
+    a = run.parse_args(["--out", str(tmp_path), "--config", "seqs128", "--layers", "4", "--loads", "warm1k", "pyspy16"])
+    loads = run.Benchmark(a).client_spec(3, a.side_list[0], 8000, 1.0)["loads"]
+    assert "pyspy" not in loads[0]
+    assert loads[1]["pyspy"]["output"].endswith("pyspy-03-on-pyspy16.txt")
+
+
+def test_the_driver_reads_each_sampled_load(tmp_path):
+    a = run.parse_args(["--out", str(tmp_path), "--config", "seqs128", "--layers", "4", "--loads", "warm1k", "pyspy16"])
+    bench = run.Benchmark(a)
+    out = tmp_path / "s.txt"
+    out.write_text(COLLAPSED)
+    loads = [{"load": "warm1k"}, {"load": "pyspy16", "pyspy": {"output": str(out), "pid": 1, "exit": 0}},
+             {"load": "x", "pyspy": {"output": str(tmp_path / "none.txt"), "error": "py-spy wrote no file"}},
+             {"load": "y", "pyspy": {"output": str(tmp_path / "empty.txt")}}]  # fmt: skip
+    (tmp_path / "empty.txt").write_text("")
+    bench.read_host_samples(0, a.side_list[0], loads)
+    assert "pyspy_summary" not in loads[0]
+    assert loads[1]["pyspy_summary"]["samples"] == 10
+    assert loads[2]["pyspy_summary"] == {"error": "py-spy wrote no file"}
+    assert loads[3]["pyspy_summary"]["error"].startswith("ValueError: no samples")
