@@ -52,7 +52,7 @@ cache and the output: ``_store_mode`` names it, e.g.
 ``"float8_e4m3fnuz/bits/scaled"``, and the kernel derives the rounding mode, the
 scale and the fp8 format's constants from it through constexpr functions,
 ``_store_params``). Inside, each tensor travels with its strides (and the cache with
-its slots, an fp8 output with its scale) as one tuple, the sizes as one and the
+its slots, an fp8 output with its scale) as one named tuple, the sizes as one and the
 constexprs as two (``dims``, ``meta``), so no helper takes more than 10 arguments;
 Triton unpacks tuples while it compiles: they cost no instruction.
 
@@ -71,6 +71,7 @@ import dataclasses
 import functools
 import inspect
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -255,7 +256,7 @@ def _load_cos_sin(rope, pos, max_pos, mask, R: tl.constexpr, BLOCK_R2: tl.conste
     """The rope table's rows ``[cos | sin]`` (``rope``: the positions and the table, as the
     entry points pass them) at positions ``pos``, clamped into ``[0, max_pos)``, as ``(cos, sin)``
     ``[ROWS, BLOCK_R2]`` in float32 (1 and 0 where ``mask`` is off)."""
-    cos_ptr, stride_cs_p, stride_cs = rope[1], rope[2], rope[3]
+    cos_ptr, stride_cs_p, stride_cs = rope.table_ptr, rope.stride_pos, rope.stride_col
     pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)  # clamp: never read past the table
     cs_off = pos * stride_cs_p
     sin_ptr = cos_ptr + (R // 2) * stride_cs
@@ -343,17 +344,90 @@ _NO_STORE = tl.constexpr("plain")  # the store format of an output an op does no
 # bound with the layout (BoundLaunch.strides): a launch builds no tuple of its own. It comes after
 # the sizes: placed before them, ptxas (Triton 3.6) gave some variants 2 more registers for the same PTX.
 #
-# Inside the kernel each tensor travels as one tuple with what indexes it (all of it unpacked at
-# compile time: the tuples cost no instruction):
-#   rope   (pos_ptr, cos_sin_ptr, stride_p, stride_r): the positions and the table they index
-#   q_pe   (ptr, stride_t, stride_h, stride_r)          k_pe, kv_c   (ptr, stride_t, stride_col)
-#   cache  (slot_ptr, ptr, scale_ptr, stride_block, stride_slot, stride_d, BLOCK_SIZE): the slots
-#          index it; BLOCK_SIZE its block size, a constexpr (no division by a runtime value)
-#   nope   (ptr, stride_t, stride_h, stride_d)          out  (ptr, scale_ptr, stride_t, stride_h, stride_d)
-#   sizes  (num_tokens, max_pos, num_slots, key_start, n_cache_programs)
-#   dims   (H, L, R, NOPE), constexprs: NOPE is the nope input's width (L for op 2, P for op 3)
-#   meta   (OP, IS_NEOX, NOPE_FIRST, CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_ROWS, BLOCK_H, USE_PDL,
-#          EARLY_INDEX_LOADS, TILES), constexprs: the _mla_rope_cache docstring says what each is
+# Inside the kernel each tensor travels as one named tuple with what indexes it (Triton unpacks
+# tuples while it compiles: they cost no instruction); the sizes as one, the constexprs as two.
+class _Rope(NamedTuple):
+    """The positions and the rope table they index (rows ``[cos | sin]``)."""
+
+    pos_ptr: object
+    table_ptr: object
+    stride_pos: object
+    stride_col: object
+
+
+class _TokenRows(NamedTuple):
+    """A ``[T, width]`` input: k_pe, kv_c."""
+
+    ptr: object
+    stride_t: object
+    stride_col: object
+
+
+class _HeadRows(NamedTuple):
+    """A ``[T, H, width]`` input: q_pe, the nope input (ql_nope or k_nope)."""
+
+    ptr: object
+    stride_t: object
+    stride_h: object
+    stride_col: object
+
+
+class _Output(NamedTuple):
+    """The ``[T, H, width]`` output of ops 2 and 3 (q_out, k_out), with its fp8 scale."""
+
+    ptr: object
+    scale_ptr: object
+    stride_t: object
+    stride_h: object
+    stride_col: object
+
+
+class _Cache(NamedTuple):
+    """The KV cache, the slots that index it, its fp8 scale, and its block size: a constexpr, so that
+    a slot's block and row are a shift and a mask, not a 64-bit division by a runtime value."""
+
+    slot_ptr: object
+    ptr: object
+    scale_ptr: object
+    stride_block: object
+    stride_slot: object
+    stride_col: object
+    BLOCK_SIZE: object
+
+
+class _Sizes(NamedTuple):
+    num_tokens: object
+    max_pos: object  # rows of the rope table
+    num_slots: object  # num_blocks * BLOCK_SIZE: slots at or past it write nothing
+    key_start: object  # op 3: first token with a key row (k_nope / k_out row t - key_start); else 0
+    n_cache_programs: object  # the grid's first programs; the query programs follow
+
+
+class _Dims(NamedTuple):
+    """Constexprs: heads, latent width, rope width, and the nope input's width (L for op 2, P for op 3)."""
+
+    H: object
+    L: object
+    R: object
+    NOPE: object
+
+
+class _Meta(NamedTuple):
+    """Constexprs: what a launch computes and how (the _mla_rope_cache docstring says what each is)."""
+
+    OP: object
+    IS_NEOX: object
+    NOPE_FIRST: object
+    CACHE_STORE: object
+    OUT_STORE: object
+    BLOCK_T: object
+    BLOCK_ROWS: object
+    BLOCK_H: object
+    USE_PDL: object
+    EARLY_INDEX_LOADS: object
+    TILES: object
+
+
 @triton.jit(do_not_specialize=["num_tokens", "n_cache_programs", "num_slots"],
             do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])  # fmt: skip
 def _mla_rope_cache_kernel_op1(
@@ -372,17 +446,17 @@ def _mla_rope_cache_kernel_op1(
 ):  # fmt: skip
     """Op 1: q_pe and k_pe rotated in place, [kv_c | rope(k_pe)] written to the cache."""
     _mla_rope_cache(
-        (pos_ptr, cos_sin_ptr, strides[0], strides[1]),
-        (q_pe_ptr, strides[2], strides[3], strides[4]),
-        (k_pe_ptr, strides[5], strides[6]),
-        (kv_c_ptr, strides[7], strides[8]),
-        (slot_ptr, cache_ptr, cache_scale_ptr, strides[9], strides[10], strides[11], BLOCK_SIZE),
-        (q_pe_ptr, 0, 0, 0),  # no nope input
-        (q_pe_ptr, cache_scale_ptr, 0, 0, 0),  # no output: neither is read
-        (num_tokens, max_pos, num_slots, 0, n_cache_programs),
-        (H, L, R, 1),
-        (OP_ROPE_CACHE, IS_NEOX, True, CACHE_STORE, _NO_STORE, BLOCK_T, BLOCK_ROWS, 1, USE_PDL, EARLY_INDEX_LOADS,
-         TILES),
+        _Rope(pos_ptr, cos_sin_ptr, strides[0], strides[1]),
+        _HeadRows(q_pe_ptr, strides[2], strides[3], strides[4]),
+        _TokenRows(k_pe_ptr, strides[5], strides[6]),
+        _TokenRows(kv_c_ptr, strides[7], strides[8]),
+        _Cache(slot_ptr, cache_ptr, cache_scale_ptr, strides[9], strides[10], strides[11], BLOCK_SIZE),
+        _HeadRows(q_pe_ptr, 0, 0, 0),  # no nope input
+        _Output(q_pe_ptr, cache_scale_ptr, 0, 0, 0),  # no output: neither is read
+        _Sizes(num_tokens, max_pos, num_slots, 0, n_cache_programs),
+        _Dims(H, L, R, 1),
+        _Meta(OP_ROPE_CACHE, IS_NEOX, True, CACHE_STORE, _NO_STORE, BLOCK_T, BLOCK_ROWS, 1, USE_PDL,
+               EARLY_INDEX_LOADS, TILES),
     )
 
 
@@ -405,17 +479,17 @@ def _mla_rope_cache_kernel_op2(
 ):  # fmt: skip
     """Op 2: q_out = [ql_nope | rope(q_pe)] (rounded as OUT_STORE says), the cache rows as op 1's."""
     _mla_rope_cache(
-        (pos_ptr, cos_sin_ptr, strides[0], strides[1]),
-        (q_pe_ptr, strides[2], strides[3], strides[4]),
-        (k_pe_ptr, strides[5], strides[6]),
-        (kv_c_ptr, strides[7], strides[8]),
-        (slot_ptr, cache_ptr, cache_scale_ptr, strides[9], strides[10], strides[11], BLOCK_SIZE),
-        (ql_nope_ptr, strides[12], strides[13], strides[14]),
-        (q_out_ptr, q_scale_ptr, strides[15], strides[16], strides[17]),
-        (num_tokens, max_pos, num_slots, key_start, n_cache_programs),
-        (H, L, R, L),
-        (OP_DECODE, IS_NEOX, NOPE_FIRST, CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_ROWS, 1, USE_PDL, EARLY_INDEX_LOADS,
-         TILES),
+        _Rope(pos_ptr, cos_sin_ptr, strides[0], strides[1]),
+        _HeadRows(q_pe_ptr, strides[2], strides[3], strides[4]),
+        _TokenRows(k_pe_ptr, strides[5], strides[6]),
+        _TokenRows(kv_c_ptr, strides[7], strides[8]),
+        _Cache(slot_ptr, cache_ptr, cache_scale_ptr, strides[9], strides[10], strides[11], BLOCK_SIZE),
+        _HeadRows(ql_nope_ptr, strides[12], strides[13], strides[14]),
+        _Output(q_out_ptr, q_scale_ptr, strides[15], strides[16], strides[17]),
+        _Sizes(num_tokens, max_pos, num_slots, key_start, n_cache_programs),
+        _Dims(H, L, R, L),
+        _Meta(OP_DECODE, IS_NEOX, NOPE_FIRST, CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_ROWS, 1, USE_PDL,
+               EARLY_INDEX_LOADS, TILES),
     )
 
 
@@ -435,23 +509,23 @@ def _mla_rope_cache_kernel_op3(
 ):  # fmt: skip
     """Op 3: op 1's work, and the attention key k_out = [k_nope | rope(k_pe)] of tokens from key_start on."""
     _mla_rope_cache(
-        (pos_ptr, cos_sin_ptr, strides[0], strides[1]),
-        (q_pe_ptr, strides[2], strides[3], strides[4]),
-        (k_pe_ptr, strides[5], strides[6]),
-        (kv_c_ptr, strides[7], strides[8]),
-        (slot_ptr, cache_ptr, cache_scale_ptr, strides[9], strides[10], strides[11], BLOCK_SIZE),
-        (k_nope_ptr, strides[12], strides[13], strides[14]),
-        (k_out_ptr, cache_scale_ptr, strides[15], strides[16], strides[17]),  # the key has no scale: never read
-        (num_tokens, max_pos, num_slots, key_start, n_cache_programs),
-        (H, L, R, NOPE),
-        (OP_PREFILL, IS_NEOX, True, CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_ROWS, BLOCK_H, USE_PDL, EARLY_INDEX_LOADS,
-         TILES),
+        _Rope(pos_ptr, cos_sin_ptr, strides[0], strides[1]),
+        _HeadRows(q_pe_ptr, strides[2], strides[3], strides[4]),
+        _TokenRows(k_pe_ptr, strides[5], strides[6]),
+        _TokenRows(kv_c_ptr, strides[7], strides[8]),
+        _Cache(slot_ptr, cache_ptr, cache_scale_ptr, strides[9], strides[10], strides[11], BLOCK_SIZE),
+        _HeadRows(k_nope_ptr, strides[12], strides[13], strides[14]),
+        _Output(k_out_ptr, cache_scale_ptr, strides[15], strides[16], strides[17]),  # the key has no scale: never read
+        _Sizes(num_tokens, max_pos, num_slots, key_start, n_cache_programs),
+        _Dims(H, L, R, NOPE),
+        _Meta(OP_PREFILL, IS_NEOX, True, CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_ROWS, BLOCK_H, USE_PDL,
+               EARLY_INDEX_LOADS, TILES),
     )
 
 
 @triton.jit
 def _mla_rope_cache(rope, q_pe, k_pe, kv_c, cache, nope, out, sizes, dims, meta):
-    """The three ops' body (the tuples as the comment above the entry points says): each entry
+    """The three ops' body (its arguments: the named tuples above the entry points): each entry
     point passes its op, its tensors, and stand-ins that its op never reads for the rest (op 1:
     no nope input or output; ops 1 and 2: ``key_start`` 0). The cache programs come first in the
     grid, ``n_cache_programs`` of them; the query programs follow.
@@ -464,11 +538,11 @@ def _mla_rope_cache(rope, q_pe, k_pe, kv_c, cache, nope, out, sizes, dims, meta)
     (sm_90+); EARLY_INDEX_LOADS, with USE_PDL: positions, slots and cos/sin read before the wait
     (BoundLaunch); TILES, the tiles each program takes in turn (of BLOCK_T tokens or BLOCK_ROWS rows:
     the grid has TILES times fewer programs), the next one's loads before the last one's stores."""
-    CACHE_STORE: tl.constexpr = meta[3]
-    OUT_STORE: tl.constexpr = meta[4]
-    USE_PDL: tl.constexpr = meta[8]
-    EARLY_INDEX_LOADS: tl.constexpr = meta[9]
-    n_cache_programs = sizes[4]
+    CACHE_STORE: tl.constexpr = meta.CACHE_STORE
+    OUT_STORE: tl.constexpr = meta.OUT_STORE
+    USE_PDL: tl.constexpr = meta.USE_PDL
+    EARLY_INDEX_LOADS: tl.constexpr = meta.EARLY_INDEX_LOADS
+    n_cache_programs = sizes.n_cache_programs
     if not EARLY_INDEX_LOADS:
         # Launched early, overlapping the previous kernel's tail: wait for its writes
         # (our inputs) before touching memory, then let the next kernel get scheduled.
@@ -480,12 +554,12 @@ def _mla_rope_cache(rope, q_pe, k_pe, kv_c, cache, nope, out, sizes, dims, meta)
     # _round_for_store): the branch holds the whole program, so no tile crosses it. With
     # EARLY_INDEX_LOADS the scale's bits are read before the wait too (binding.py's promise).
     if pid < n_cache_programs:
-        if _scale_is_pow2(cache[2], CACHE_STORE):
+        if _scale_is_pow2(cache.scale_ptr, CACHE_STORE):
             _cache_program(pid, rope, k_pe, kv_c, cache, out, sizes, dims, meta, True)
         else:
             _cache_program(pid, rope, k_pe, kv_c, cache, out, sizes, dims, meta, False)
     else:
-        if _scale_is_pow2(out[1], OUT_STORE):
+        if _scale_is_pow2(out.scale_ptr, OUT_STORE):
             _query_program(pid - n_cache_programs, rope, q_pe, nope, out, sizes, dims, meta, True)
         else:
             _query_program(pid - n_cache_programs, rope, q_pe, nope, out, sizes, dims, meta, False)
@@ -510,7 +584,7 @@ def _cache_program(pid, rope, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SC
     tile i + 1's loads go out before tile i's stores, so that a program keeps bytes in flight
     while it stores.
     """
-    TILES: tl.constexpr = meta[10]
+    TILES: tl.constexpr = meta.TILES
     tile = _cache_tile_loads(pid * TILES, rope, k_pe, kv_c, cache, sizes, dims, meta, POW2_SCALE, True)
     for i in tl.static_range(1, TILES):
         next_tile = _cache_tile_loads(pid * TILES + i, rope, k_pe, kv_c, cache, sizes, dims, meta, POW2_SCALE, False)
@@ -528,23 +602,23 @@ def _cache_tile_loads(index, rope, k_pe, kv_c, cache, sizes, dims, meta, POW2_SC
     which waits for the position to arrive; with ``EARLY_INDEX_LOADS`` the positions, slots and
     table rows are read first, before the grid-dependency wait (the first tile's, ``FIRST_TILE``:
     the later tiles come after it), overlapping the previous kernel's tail (BoundLaunch says when)."""
-    L: tl.constexpr = dims[1]
-    R: tl.constexpr = dims[2]
-    IS_NEOX: tl.constexpr = meta[1]
-    CACHE_STORE: tl.constexpr = _pow2_scaled(meta[3]) if POW2_SCALE else meta[3]
-    BLOCK_T: tl.constexpr = meta[5]
-    USE_PDL: tl.constexpr = meta[8]
-    EARLY_INDEX_LOADS: tl.constexpr = meta[9]
+    L: tl.constexpr = dims.L
+    R: tl.constexpr = dims.R
+    IS_NEOX: tl.constexpr = meta.IS_NEOX
+    CACHE_STORE: tl.constexpr = _pow2_scaled(meta.CACHE_STORE) if POW2_SCALE else meta.CACHE_STORE
+    BLOCK_T: tl.constexpr = meta.BLOCK_T
+    USE_PDL: tl.constexpr = meta.USE_PDL
+    EARLY_INDEX_LOADS: tl.constexpr = meta.EARLY_INDEX_LOADS
     BLOCK_R2: tl.constexpr = _pow2_at_least(R // 2)  # the rotation's half-width, padded for tl.arange
     BLOCK_L: tl.constexpr = _row_step(L)  # latent columns per step
-    num_tokens, max_pos = sizes[0], sizes[1]
-    k_pe_ptr, stride_k_t, stride_k_r = k_pe[0], k_pe[1], k_pe[2]
-    kv_c_ptr, stride_c_t, stride_c_l = kv_c[0], kv_c[1], kv_c[2]
-    slot_ptr, cache_scale_ptr = cache[0], cache[2]
+    num_tokens, max_pos = sizes.num_tokens, sizes.max_pos
+    k_pe_ptr, stride_k_t, stride_k_r = k_pe.ptr, k_pe.stride_t, k_pe.stride_col
+    kv_c_ptr, stride_c_t, stride_c_l = kv_c.ptr, kv_c.stride_t, kv_c.stride_col
+    slot_ptr, cache_scale_ptr = cache.slot_ptr, cache.scale_ptr
 
     t = index.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = t < num_tokens
-    pos = tl.load(rope[0] + t, mask=t_mask, other=0).to(tl.int64)
+    pos = tl.load(rope.pos_ptr + t, mask=t_mask, other=0).to(tl.int64)
     slot = tl.load(slot_ptr + t, mask=t_mask, other=-1).to(tl.int64)
     if EARLY_INDEX_LOADS:
         cos, sin = _load_cos_sin(rope, pos, max_pos, t_mask, R, BLOCK_R2)
@@ -565,23 +639,23 @@ def _cache_tile_loads(index, rope, k_pe, kv_c, cache, sizes, dims, meta, POW2_SC
 def _cache_tile_stores(tile, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SCALE: tl.constexpr):
     """A cache tile's rotation and stores (``tile``: what _cache_tile_loads returned), and the loads
     of latent columns past the first 512, each step stored as it is loaded."""
-    H: tl.constexpr = dims[0]
-    L: tl.constexpr = dims[1]
-    R: tl.constexpr = dims[2]
-    NOPE: tl.constexpr = dims[3]
-    OP: tl.constexpr = meta[0]
-    IS_NEOX: tl.constexpr = meta[1]
-    CACHE_STORE: tl.constexpr = _pow2_scaled(meta[3]) if POW2_SCALE else meta[3]
-    KEY_STORE: tl.constexpr = _unscaled(meta[4])  # k_out has no scale (vLLM casts the key without one)
-    BLOCK_T: tl.constexpr = meta[5]
-    BLOCK_H: tl.constexpr = meta[7]
+    H: tl.constexpr = dims.H
+    L: tl.constexpr = dims.L
+    R: tl.constexpr = dims.R
+    NOPE: tl.constexpr = dims.NOPE
+    OP: tl.constexpr = meta.OP
+    IS_NEOX: tl.constexpr = meta.IS_NEOX
+    CACHE_STORE: tl.constexpr = _pow2_scaled(meta.CACHE_STORE) if POW2_SCALE else meta.CACHE_STORE
+    KEY_STORE: tl.constexpr = _unscaled(meta.OUT_STORE)  # k_out has no scale (vLLM casts the key without one)
+    BLOCK_T: tl.constexpr = meta.BLOCK_T
+    BLOCK_H: tl.constexpr = meta.BLOCK_H
     BLOCK_R2: tl.constexpr = _pow2_at_least(R // 2)
     BLOCK_L: tl.constexpr = _row_step(L)
-    num_slots, key_start = sizes[2], sizes[3]
-    k_pe_ptr, stride_k_t, stride_k_r = k_pe[0], k_pe[1], k_pe[2]
-    kv_c_ptr, stride_c_t, stride_c_l = kv_c[0], kv_c[1], kv_c[2]
-    cache_ptr, stride_kv_b, stride_kv_s, stride_kv_d = cache[1], cache[3], cache[4], cache[5]
-    BLOCK_SIZE: tl.constexpr = cache[6]
+    num_slots, key_start = sizes.num_slots, sizes.key_start
+    k_pe_ptr, stride_k_t, stride_k_r = k_pe.ptr, k_pe.stride_t, k_pe.stride_col
+    kv_c_ptr, stride_c_t, stride_c_l = kv_c.ptr, kv_c.stride_t, kv_c.stride_col
+    cache_ptr, stride_kv_b, stride_kv_s, stride_kv_d = cache.ptr, cache.stride_block, cache.stride_slot, cache.stride_col
+    BLOCK_SIZE: tl.constexpr = cache.BLOCK_SIZE
     t, t_mask, slot, c, k_off, k1, k2, cos, sin, scale, inv_scale = tile
 
     k1, k2 = _rotate(k1, k2, cos, sin)
@@ -590,7 +664,7 @@ def _cache_tile_stores(tile, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SCA
                        t_mask, IS_NEOX, R, BLOCK_R2, stride_k_r, BLOCK_T)  # fmt: skip
     if OP == OP_PREFILL:
         # The key's rope part is the same for every head: round it once, store it H times.
-        key_ptr, stride_o_t, stride_o_h, stride_o_d = key[0], key[2], key[3], key[4]
+        key_ptr, stride_o_t, stride_o_h, stride_o_d = key.ptr, key.stride_t, key.stride_h, key.stride_col
         y1 = _round_for_store(k1, 1.0, 1.0, key_ptr, KEY_STORE)
         y2 = _round_for_store(k2, 1.0, 1.0, key_ptr, KEY_STORE)
         ROWS: tl.constexpr = BLOCK_T * BLOCK_H
@@ -630,7 +704,7 @@ def _query_program(pid, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCALE: tl
     part the cache programs write), for tokens from key_start on (always 0 for op 2).
     ``POW2_SCALE``: the output's scale is a power of two, as in _cache_program. Loads and stores
     are ordered across tiles as there."""
-    TILES: tl.constexpr = meta[10]
+    TILES: tl.constexpr = meta.TILES
     tile = _query_tile_loads(pid * TILES, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCALE, True)
     for i in tl.static_range(1, TILES):
         next_tile = _query_tile_loads(pid * TILES + i, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCALE, False)
@@ -646,27 +720,27 @@ def _query_tile_loads(index, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCAL
     _cache_tile_loads, the position-independent loads (the nope input, q_pe) go out before the
     rope table's; with ``EARLY_INDEX_LOADS``, the positions and the table rows before the
     grid-dependency wait. Op 1 has no nope input: its tile carries 0 in those places."""
-    H: tl.constexpr = dims[0]
-    R: tl.constexpr = dims[2]
-    NOPE: tl.constexpr = dims[3]
-    OP: tl.constexpr = meta[0]
-    IS_NEOX: tl.constexpr = meta[1]
-    OUT_STORE: tl.constexpr = _pow2_scaled(meta[4]) if POW2_SCALE else meta[4]
-    BLOCK_ROWS: tl.constexpr = meta[6]
-    USE_PDL: tl.constexpr = meta[8]
-    EARLY_INDEX_LOADS: tl.constexpr = meta[9]
+    H: tl.constexpr = dims.H
+    R: tl.constexpr = dims.R
+    NOPE: tl.constexpr = dims.NOPE
+    OP: tl.constexpr = meta.OP
+    IS_NEOX: tl.constexpr = meta.IS_NEOX
+    OUT_STORE: tl.constexpr = _pow2_scaled(meta.OUT_STORE) if POW2_SCALE else meta.OUT_STORE
+    BLOCK_ROWS: tl.constexpr = meta.BLOCK_ROWS
+    USE_PDL: tl.constexpr = meta.USE_PDL
+    EARLY_INDEX_LOADS: tl.constexpr = meta.EARLY_INDEX_LOADS
     BLOCK_R2: tl.constexpr = _pow2_at_least(R // 2)  # the rotation's half-width, padded for tl.arange
     BLOCK_N: tl.constexpr = _row_step(NOPE)  # nope columns per step (ops 2 and 3)
-    num_tokens, max_pos, key_start = sizes[0], sizes[1], sizes[3]
-    q_pe_ptr, stride_q_t, stride_q_h, stride_q_r = q_pe[0], q_pe[1], q_pe[2], q_pe[3]
-    nope_ptr, stride_n_t, stride_n_h, stride_n_d = nope[0], nope[1], nope[2], nope[3]
-    out_scale_ptr, stride_o_t, stride_o_h = out[1], out[2], out[3]
+    num_tokens, max_pos, key_start = sizes.num_tokens, sizes.max_pos, sizes.key_start
+    q_pe_ptr, stride_q_t, stride_q_h, stride_q_r = q_pe.ptr, q_pe.stride_t, q_pe.stride_h, q_pe.stride_col
+    nope_ptr, stride_n_t, stride_n_h, stride_n_d = nope.ptr, nope.stride_t, nope.stride_h, nope.stride_col
+    out_scale_ptr, stride_o_t, stride_o_h = out.scale_ptr, out.stride_t, out.stride_h
 
     rows = index.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     t = rows // H
     h = rows % H
     r_mask = t < num_tokens
-    pos = tl.load(rope[0] + t, mask=r_mask, other=0).to(tl.int64)
+    pos = tl.load(rope.pos_ptr + t, mask=r_mask, other=0).to(tl.int64)
     if EARLY_INDEX_LOADS:
         cos, sin = _load_cos_sin(rope, pos, max_pos, r_mask, R, BLOCK_R2)
         if FIRST_TILE:
@@ -692,18 +766,18 @@ def _query_tile_loads(index, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCAL
 def _query_tile_stores(tile, q_pe, nope, out, dims, meta, POW2_SCALE: tl.constexpr):
     """A query tile's rotation and stores (``tile``: what _query_tile_loads returned), and the loads
     of nope columns past the first 512, each step stored as it is loaded."""
-    R: tl.constexpr = dims[2]
-    NOPE: tl.constexpr = dims[3]
-    OP: tl.constexpr = meta[0]
-    IS_NEOX: tl.constexpr = meta[1]
-    NOPE_FIRST: tl.constexpr = meta[2]
-    OUT_STORE: tl.constexpr = _pow2_scaled(meta[4]) if POW2_SCALE else meta[4]
-    BLOCK_ROWS: tl.constexpr = meta[6]
+    R: tl.constexpr = dims.R
+    NOPE: tl.constexpr = dims.NOPE
+    OP: tl.constexpr = meta.OP
+    IS_NEOX: tl.constexpr = meta.IS_NEOX
+    NOPE_FIRST: tl.constexpr = meta.NOPE_FIRST
+    OUT_STORE: tl.constexpr = _pow2_scaled(meta.OUT_STORE) if POW2_SCALE else meta.OUT_STORE
+    BLOCK_ROWS: tl.constexpr = meta.BLOCK_ROWS
     BLOCK_R2: tl.constexpr = _pow2_at_least(R // 2)
     BLOCK_N: tl.constexpr = _row_step(NOPE)
-    q_pe_ptr, stride_q_r = q_pe[0], q_pe[3]
-    nope_ptr, stride_n_d = nope[0], nope[3]
-    out_ptr, stride_o_d = out[0], out[4]
+    q_pe_ptr, stride_q_r = q_pe.ptr, q_pe.stride_col
+    nope_ptr, stride_n_d = nope.ptr, nope.stride_col
+    out_ptr, stride_o_d = out.ptr, out.stride_col
     r_mask, o_mask, n_off, n_mask, x, scale, inv_scale, o_off, q_off, q1, q2, cos, sin = tile
 
     q1, q2 = _rotate(q1, q2, cos, sin)
