@@ -14,8 +14,8 @@ server's processes and its own, the size of the server's log before and after
 error. A load whose estimate no longer fits the deadline is recorded as skipped and not
 started. A profiled load (its spec has ``profile``) runs inside one profiling session of the
 server's workers (step_profile.py); the entry names the session's prefix, or why it failed. A
-sampled load (``pyspy``) runs with py-spy attached to the server's engine core (host_samples.py);
-the entry says what was sampled, or why nothing was.
+sampled load (``pyspy``) runs with py-spy attached to the server's engine processes
+(host_samples.py); the entry says what was sampled, or why nothing was.
 """
 
 from __future__ import annotations
@@ -101,20 +101,20 @@ def run(spec: dict) -> int:
         before = _readings(spec)
         t = time.monotonic()
         session, sampled = load.get("profile"), load.get("pyspy")
-        sampler = None
+        samplers: list = []
         try:
             if session:
                 step_profile.start(spec["port"], session)
                 entry["profile_prefix"] = session["prefix"]
             if sampled:
-                sampler, entry["pyspy"] = host_samples.start(spec["server_pid"], sampled["output"])
+                samplers, entry["pyspy"] = host_samples.start(spec["server_pid"], sampled["prefix"])
             try:
                 result = main(args)
             finally:
                 if session:
                     step_profile.stop(spec["port"])
                 if sampled:
-                    entry["pyspy"] = host_samples.stop(sampler, entry["pyspy"])
+                    entry["pyspy"] = host_samples.stop(samplers, entry["pyspy"])
             entry["completed"] = result.get("completed")
         except Exception as e:  # noqa: BLE001 - recorded; the next load may still run
             entry["error"] = f"{type(e).__name__}: {e}"

@@ -2,20 +2,22 @@
 
 In configurations whose steps with prompts run eagerly (past the CUDA-graph sizes), those steps are
 host-bound, and the torch profiler, which records every host op, slows the host several times over:
-it cannot compare two sides' host time. py-spy samples the engine-core process's Python stacks from
-outside (``--nonblocking``: the process is never paused), at a fixed rate, for the length of the load.
+it cannot compare two sides' host time. py-spy samples the engine's processes' Python stacks from
+outside (``--nonblocking``: a process is never paused), at a fixed rate, for the length of the load.
 
-- ``start``: py-spy attached to the server's engine core (its child whose vLLM process title names
-  ``EngineCore``; the server's own process where it has none, as a CPU demo server may), writing
-  collapsed stacks (``--format raw``: one ``frame;frame;... count`` line per distinct stack);
-- ``stop``: py-spy interrupted, which makes it write its file;
+- ``start``: one py-spy per engine process of the server (its children that vLLM titles
+  ``VLLM::<role>``: the engine core, whose loop schedules, and the workers, where the model's forward
+  runs when the executor has worker processes), each writing collapsed stacks (``--format raw``:
+  one ``frame;frame;... count`` line per distinct stack);
+- ``stop``: every py-spy interrupted, which makes it write its file;
 - ``summarize``: the samples per frame, inclusive (a frame anywhere in the stack) and self (the
   innermost frame), as shares of all samples; frames are ``function (file)``, lines dropped so that
   one function is one row;
-- ``compare_sides`` and ``markdown``: the sides' pooled shares, the frames whose share differs most.
+- ``summarize_record``: each sampled role's summary;
+- ``compare_sides`` and ``markdown``: per role, the sides' pooled shares, the frames whose share differs most.
 
 The sampled load's own latencies are not reported (like a profiled load's): py-spy reads the
-process's memory 200 times a second, which costs the host a little.
+processes' memory 200 times a second, which costs the host a little.
 """
 
 from __future__ import annotations
@@ -32,59 +34,70 @@ RATE_HZ = 200
 FRAME_LINE = re.compile(r"^(?P<function>.*) \((?P<file>.*?)(?::\d+)?\)$")
 
 
-def engine_pid(server_pid: int) -> int:
-    """The engine-core process of the server ``server_pid`` (vLLM names its process title
-    ``VLLM::EngineCore_DP0``), else ``server_pid`` itself."""
+def sampled_processes(server_pid: int) -> dict[str, int]:
+    """The server's processes whose Python runs the engine, by role: its children that vLLM titles
+    ``VLLM::<role>`` (``EngineCore_DP0``, the scheduler's loop; ``Worker...``, where the model's forward
+    runs when the executor has worker processes), else ``{"server": server_pid}``."""
     try:
         import psutil  # a dependency of vLLM
     except ImportError:
-        return server_pid
+        return {"server": server_pid}
+    roles: dict[str, int] = {}
     try:
         for child in psutil.Process(server_pid).children(recursive=True):
             try:
                 title = (child.cmdline() or [child.name()])[0]
             except psutil.Error:
                 continue
-            if "EngineCore" in title:
-                return child.pid
+            if title.startswith("VLLM::"):
+                role = re.sub(r"[^A-Za-z0-9_-]", "_", title.split("::", 1)[1])
+                roles[role if role not in roles else f"{role}-{child.pid}"] = child.pid
     except psutil.Error:
         pass
-    return server_pid
+    return roles or {"server": server_pid}
 
 
-def start(server_pid: int, output: str, rate_hz: int = RATE_HZ) -> tuple[subprocess.Popen | None, dict]:
-    """py-spy recording the engine core of ``server_pid`` into ``output``: ``(process, record)``,
-    the record saying what was sampled, or why nothing was (process None)."""
+def start(server_pid: int, prefix: str, rate_hz: int = RATE_HZ) -> tuple[list[subprocess.Popen], dict]:
+    """One py-spy per engine process of ``server_pid`` (sampled_processes), each recording into
+    ``<prefix>-<role>.txt``: ``(processes, record)``, the record saying what is sampled, or why
+    nothing is (no process)."""
     exe = shutil.which("py-spy")
     if exe is None:
-        return None, {"error": "py-spy is not on PATH"}
-    pid = engine_pid(server_pid)
-    Path(output).parent.mkdir(parents=True, exist_ok=True)
-    cmd = [exe, "record", "--pid", str(pid), "--rate", str(rate_hz), "--nonblocking", "--format", "raw",
-           "--output", output]  # fmt: skip
-    log = open(output + ".log", "w")  # noqa: SIM115 - closed in stop()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    proc.log = log  # type: ignore[attr-defined]
-    return proc, {"output": output, "pid": pid, "engine_core": pid != server_pid, "rate_hz": rate_hz}
+        return [], {"error": "py-spy is not on PATH"}
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    procs, record = [], {"outputs": {}, "pids": sampled_processes(server_pid), "rate_hz": rate_hz}
+    for role, pid in record["pids"].items():
+        output = record["outputs"][role] = f"{prefix}-{role}.txt"
+        cmd = [exe, "record", "--pid", str(pid), "--rate", str(rate_hz), "--nonblocking", "--format", "raw",
+               "--output", output]  # fmt: skip
+        log = open(output + ".log", "w")  # noqa: SIM115 - closed in stop()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc.log = log  # type: ignore[attr-defined]
+        procs.append(proc)
+    return procs, record
 
 
-def stop(proc: subprocess.Popen | None, record: dict, timeout_s: float = 30.0) -> dict:
-    """Interrupt ``proc`` (py-spy writes its file on SIGINT) and wait for it; ``record`` completed
-    with its exit code, or the error."""
-    if proc is None:
-        return record
-    try:
+def stop(procs: list[subprocess.Popen], record: dict, timeout_s: float = 30.0) -> dict:
+    """Interrupt every py-spy of ``procs`` (py-spy writes its file on SIGINT) and wait for them;
+    ``record`` completed with their exit codes, and an error per role whose file is missing."""
+    for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
-        record["exit"] = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        record["error"] = f"py-spy did not stop within {timeout_s:g} s"
-    finally:
-        proc.log.close()  # type: ignore[attr-defined]
-    if not os.path.exists(record["output"]):
-        record.setdefault("error", f"py-spy wrote no {record['output']} (exit {record.get('exit')}; "
-                                   f"its log: {record['output']}.log)")  # fmt: skip
+    exits = []
+    for proc in procs:
+        try:
+            exits.append(proc.wait(timeout=timeout_s))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            exits.append(f"killed after {timeout_s:g} s")
+        finally:
+            proc.log.close()  # type: ignore[attr-defined]
+    if procs:
+        record["exits"] = exits
+    errors = {role: f"py-spy wrote no {out} (its log: {out}.log)"
+              for role, out in record.get("outputs", {}).items() if not os.path.exists(out)}  # fmt: skip
+    if errors:
+        record["errors"] = errors
     return record
 
 
@@ -124,42 +137,64 @@ def summarize(path: str, top: int = 40) -> dict:
     }
 
 
+def summarize_record(record: dict) -> dict:
+    """Each sampled role's summary (``summarize``), or why it has none; ``{"error": ...}`` when
+    nothing was sampled."""
+    if "error" in record:
+        return {"error": record["error"]}
+    out = {}
+    for role, path in record["outputs"].items():
+        try:
+            out[role] = summarize(path)
+        except (OSError, ValueError) as e:
+            out[role] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
 def compare_sides(servers: list[dict]) -> dict:
-    """Per side, the inclusive share of each frame pooled over its sampled loads (sample-weighted),
-    and the frames whose share differs most between the first side and each other one."""
-    pooled: dict[str, Counter] = {}
-    samples: Counter = Counter()
+    """Per role (engine core, worker) and side, the inclusive share of each frame pooled over the
+    sampled loads (sample-weighted), and per role the frames whose share differs most between the
+    first side and each other one."""
+    pooled: dict[str, dict[str, Counter]] = {}
+    samples: dict[str, Counter] = {}
     for server in servers:
         for entry in server.get("loads") or []:
-            summary = entry.get("pyspy_summary")
-            if not summary or "error" in summary:
-                continue
-            side = server["side"]
-            samples[side] += summary["samples"]
-            pooled.setdefault(side, Counter())
-            for f, share in summary["inclusive"].items():
-                pooled[side][f] += share * summary["samples"]
-    shares = {side: {f: n / samples[side] for f, n in c.items()} for side, c in pooled.items()}
-    sides = list(shares)
-    diffs = {}
-    for other in sides[1:]:
-        frames = set(shares[sides[0]]) | set(shares[other])
-        delta = {f: shares[sides[0]].get(f, 0.0) - shares[other].get(f, 0.0) for f in frames}
-        diffs[f"{sides[0]} - {other}"] = dict(sorted(delta.items(), key=lambda kv: -abs(kv[1]))[:12])
-    return {"samples": dict(samples), "inclusive": shares, "differences": diffs}
+            for role, summary in (entry.get("pyspy_summary") or {}).items():
+                if not isinstance(summary, dict) or "samples" not in summary:
+                    continue
+                role = role.split("-")[0]  # several workers of one role pool together
+                side = server["side"]
+                samples.setdefault(role, Counter())[side] += summary["samples"]
+                c = pooled.setdefault(role, {}).setdefault(side, Counter())
+                for f, share in summary["inclusive"].items():
+                    c[f] += share * summary["samples"]
+    out = {}
+    for role, by_side in pooled.items():
+        shares = {side: {f: n / samples[role][side] for f, n in c.items()} for side, c in by_side.items()}
+        sides = list(shares)
+        diffs = {}
+        for other in sides[1:]:
+            frames = set(shares[sides[0]]) | set(shares[other])
+            delta = {f: shares[sides[0]].get(f, 0.0) - shares[other].get(f, 0.0) for f in frames}
+            diffs[f"{sides[0]} - {other}"] = dict(sorted(delta.items(), key=lambda kv: -abs(kv[1]))[:12])
+        out[role] = {"samples": dict(samples[role]), "inclusive": shares, "differences": diffs}
+    return out
 
 
 def markdown(comparison: dict) -> str:
-    """The report's section: each side's top inclusive frames, then the largest differences."""
-    lines = ["", "## Where the engine's host time goes: py-spy samples of the engine core", "",
-             "Share of samples whose stack holds the frame (inclusive), pooled over each side's sampled loads; "
-             "a frame that one side never runs, or outside a server's top 40, reads 0.", ""]  # fmt: skip
-    for side, shares in comparison["inclusive"].items():
-        lines += [f"**{side}** ({comparison['samples'][side]} samples):", "", "```"]
-        lines += [f"  {share:6.1%}  {frame}" for frame, share in sorted(shares.items(), key=lambda kv: -kv[1])[:15]]
-        lines += ["```", ""]
-    for pair, delta in comparison["differences"].items():
-        lines += [f"Largest differences, {pair} (share points):", "", "```"]
-        lines += [f"  {d * 100:+6.1f}  {frame}" for frame, d in delta.items()]
-        lines += ["```", ""]
+    """The report's section: per role, each side's top inclusive frames, then the largest differences."""
+    lines = ["", "## Where the engine's host time goes: py-spy samples of the engine's processes", "",
+             "Per process role, the share of samples whose stack holds the frame (inclusive), pooled over each "
+             "side's sampled loads; a frame that one side never runs, or outside a server's top 40, reads 0.",
+             ""]  # fmt: skip
+    for role, c in comparison.items():
+        lines += [f"### {role}", ""]
+        for side, shares in c["inclusive"].items():
+            lines += [f"**{side}** ({c['samples'][side]} samples):", "", "```"]
+            lines += [f"  {share:6.1%}  {frame}" for frame, share in sorted(shares.items(), key=lambda kv: -kv[1])[:15]]
+            lines += ["```", ""]
+        for pair, delta in c["differences"].items():
+            lines += [f"Largest differences, {pair} (share points):", "", "```"]
+            lines += [f"  {d * 100:+6.1f}  {frame}" for frame, d in delta.items()]
+            lines += ["```", ""]
     return "\n".join(lines) + "\n"

@@ -464,20 +464,12 @@ class Benchmark:
                 f"read in {summary['read_s']} s")  # fmt: skip
 
     def read_host_samples(self, index: int, side: Side, loads: list[dict]) -> None:
-        """Each sampled load's ``pyspy_summary`` (host_samples.summarize), or why there is none."""
+        """Each sampled load's ``pyspy_summary`` per process role (host_samples.summarize_record)."""
         for entry in loads:
-            record = entry.get("pyspy")
-            if not record:
-                continue
-            if "error" in record:
-                entry["pyspy_summary"] = {"error": record["error"]}
-                continue
-            try:
-                entry["pyspy_summary"] = summary = host_samples.summarize(record["output"])
-            except (OSError, ValueError) as e:  # the loads' figures stand without it
-                entry["pyspy_summary"] = {"error": f"{type(e).__name__}: {e}"}
-                continue
-            log(f"server {index} ({side.name}): {entry['load']} sampled by py-spy, {summary['samples']} samples")
+            if entry.get("pyspy"):
+                entry["pyspy_summary"] = summary = host_samples.summarize_record(entry["pyspy"])
+                counts = ", ".join(f"{role} {s['samples']}" for role, s in summary.items() if isinstance(s, dict) and "samples" in s)
+                log(f"server {index} ({side.name}): {entry['load']} sampled by py-spy: {counts or summary}")
 
     def client_spec(self, index: int, side: Side, port: int, scale: float, server_pid: int | None = None) -> dict:
         a = self.args
@@ -499,7 +491,7 @@ class Benchmark:
                 loads[-1]["profile"] = {"prefix": step_profile.prefix(index, side.slug, load.name),
                                         "skip": load.profile_skip, "steps": load.profile_steps}  # fmt: skip
             if load.pyspy:
-                loads[-1]["pyspy"] = {"output": str(self.results_dir / f"pyspy-{name}.txt")}
+                loads[-1]["pyspy"] = {"prefix": str(self.results_dir / f"pyspy-{name}")}
         return {
             "port": port,
             "server_pid": server_pid,

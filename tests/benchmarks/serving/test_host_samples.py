@@ -44,29 +44,36 @@ def test_stacks_read_into_inclusive_and_self_shares(tmp_path):
         hs.summarize(str(empty))
 
 
-def test_sides_pooled_by_samples_and_their_differences():
-    def server(side, samples, shares):
-        return {"side": side, "loads": [{"load": "pyspy16", "pyspy_summary": {"samples": samples, "inclusive": shares}}]}
+def test_sides_pooled_by_samples_per_role_and_their_differences():
+    def server(side, samples, shares, role="EngineCore_DP0"):
+        return {"side": side, "loads": [{"load": "pyspy16",
+                                         "pyspy_summary": {role: {"samples": samples, "inclusive": shares}}}]}  # fmt: skip
 
     servers = [server("on", 100, {"step (core.py)": 0.9, "forward_fused (attention.py)": 0.3}),
                server("off", 300, {"step (core.py)": 0.6, "concat (mla.py)": 0.1}),
                server("on", 300, {"step (core.py)": 0.5, "forward_fused (attention.py)": 0.1}),
-               {"side": "off", "loads": [{"load": "pyspy16", "pyspy_summary": {"error": "py-spy is not on PATH"}}]}]
+               server("on", 50, {"execute_model (gpu_worker.py)": 1.0}, role="Worker_TP0-77"),
+               {"side": "off", "loads": [{"load": "pyspy16", "pyspy_summary": {"error": "py-spy is not on PATH"}}]},
+               {"side": "off", "loads": [{"load": "pyspy16", "pyspy_summary": {"Worker_TP0": {"error": "no samples"}}}]}]
     c = hs.compare_sides(servers)
-    assert c["samples"] == {"on": 400, "off": 300}
-    assert c["inclusive"]["on"]["step (core.py)"] == pytest.approx((90 + 150) / 400)
-    delta = c["differences"]["on - off"]
+    assert set(c) == {"EngineCore_DP0", "Worker_TP0"}  # a worker's pid suffix pools with its role
+    core = c["EngineCore_DP0"]
+    assert core["samples"] == {"on": 400, "off": 300}
+    assert core["inclusive"]["on"]["step (core.py)"] == pytest.approx((90 + 150) / 400)
+    delta = core["differences"]["on - off"]
     assert delta["step (core.py)"] == pytest.approx(0.6 - 0.6)
     assert delta["forward_fused (attention.py)"] == pytest.approx(0.15) and delta["concat (mla.py)"] == pytest.approx(-0.1)
+    assert c["Worker_TP0"]["samples"] == {"on": 50} and c["Worker_TP0"]["differences"] == {}
     text = hs.markdown(c)
-    assert "**on** (400 samples)" in text and "+15.0  forward_fused (attention.py)" in text
+    assert "### EngineCore_DP0" in text and "**on** (400 samples)" in text and "+15.0  forward_fused (attention.py)" in text
 
 
 # A stand-in py-spy: records its arguments, writes its output file when interrupted, as py-spy does.
 FAKE_PY_SPY = """#!{python}
 import signal, sys, time
 args = sys.argv[1:]
-open({argv_file!r}, "w").write(" ".join(args))
+import os
+open({argv_dir!r} + f"/argv-{{os.getpid()}}.txt", "w").write(" ".join(args))
 out = args[args.index("--output") + 1]
 def done(*_):
     open(out, "w").write("main (x.py:1);step (core.py:2) 5\\n")
@@ -82,42 +89,52 @@ def fake_py_spy(tmp_path, monkeypatch):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     exe = bin_dir / "py-spy"
-    argv_file = tmp_path / "argv.txt"
-    exe.write_text(FAKE_PY_SPY.format(python=sys.executable, argv_file=str(argv_file)))
+    argv_file = tmp_path / "argv" / "argv.txt"  # each call writes argv-<pid>.txt beside it
+    argv_file.parent.mkdir()
+    exe.write_text(FAKE_PY_SPY.format(python=sys.executable, argv_dir=str(argv_file.parent)))
     exe.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     return argv_file
 
 
-def _server_with_engine_core():
-    """A process standing for `vllm serve`, with a child titled as vLLM titles its engine core."""
-    server = subprocess.Popen(["bash", "-c", "(exec -a VLLM::EngineCore_DP0 sleep 60) & wait"], start_new_session=True)
+def _server_with_engine_processes():
+    """A process standing for `vllm serve`, with children titled as vLLM titles its engine core and worker."""
     psutil = pytest.importorskip("psutil")
+    server = subprocess.Popen(["bash", "-c", "(exec -a VLLM::EngineCore_DP0 sleep 60) & (exec -a VLLM::Worker_TP0 sleep 60) & wait"],
+                              start_new_session=True)  # fmt: skip
     for _ in range(100):
-        children = psutil.Process(server.pid).children(recursive=True)
-        if any("EngineCore" in (c.cmdline() or [""])[0] for c in children):
-            return server, next(c.pid for c in children if "EngineCore" in c.cmdline()[0])
+        titles = {}
+        for c in psutil.Process(server.pid).children(recursive=True):
+            try:
+                titles[(c.cmdline() or [""])[0]] = c.pid
+            except psutil.Error:
+                continue
+        if {"VLLM::EngineCore_DP0", "VLLM::Worker_TP0"} <= set(titles):
+            return server, {"EngineCore_DP0": titles["VLLM::EngineCore_DP0"], "Worker_TP0": titles["VLLM::Worker_TP0"]}
         time.sleep(0.05)
     os.killpg(server.pid, signal.SIGKILL)
-    pytest.fail("the stand-in engine core never started")
+    pytest.fail("the stand-in engine processes never started")
 
 
-def test_the_sampler_attaches_to_the_engine_core_and_writes_on_stop(tmp_path, fake_py_spy):
-    server, engine = _server_with_engine_core()
+def test_the_samplers_attach_to_each_engine_process_and_write_on_stop(tmp_path, fake_py_spy):
+    server, pids = _server_with_engine_processes()
     try:
-        assert hs.engine_pid(server.pid) == engine
-        out = tmp_path / "results" / "pyspy-00-on-pyspy16.txt"
-        proc, record = hs.start(server.pid, str(out))
-        assert record == {"output": str(out), "pid": engine, "engine_core": True, "rate_hz": hs.RATE_HZ}
+        assert hs.sampled_processes(server.pid) == pids
+        prefix = tmp_path / "results" / "pyspy-00-on-pyspy16"
+        procs, record = hs.start(server.pid, str(prefix))
+        outputs = {role: f"{prefix}-{role}.txt" for role in pids}
+        assert record == {"outputs": outputs, "pids": pids, "rate_hz": hs.RATE_HZ} and len(procs) == 2
         for _ in range(100):
-            if fake_py_spy.exists():
+            if len(list(fake_py_spy.parent.glob("argv-*.txt"))) == 2:
                 break
             time.sleep(0.05)
-        args = fake_py_spy.read_text().split()
-        assert args[:3] == ["record", "--pid", str(engine)] and "--nonblocking" in args and "raw" in args
-        record = hs.stop(proc, record)
-        assert record["exit"] == 0 and "error" not in record
-        assert hs.summarize(str(out))["inclusive"]["step (core.py)"] == 1.0
+        calls = sorted(p.read_text().split() for p in fake_py_spy.parent.glob("argv-*.txt"))
+        assert [c[:3] for c in calls] == sorted(["record", "--pid", str(pid)] for pid in pids.values())
+        assert all("--nonblocking" in c and "raw" in c for c in calls)
+        record = hs.stop(procs, record)
+        assert record["exits"] == [0, 0] and "errors" not in record
+        summary = hs.summarize_record(record)
+        assert {role: s["inclusive"]["step (core.py)"] for role, s in summary.items()} == {role: 1.0 for role in pids}
     finally:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
@@ -125,10 +142,12 @@ def test_the_sampler_attaches_to_the_engine_core_and_writes_on_stop(tmp_path, fa
 
 def test_the_sampler_reports_why_nothing_was_sampled(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no py-spy there
-    proc, record = hs.start(os.getpid(), str(tmp_path / "x.txt"))
-    assert proc is None and record == {"error": "py-spy is not on PATH"}
-    assert hs.stop(proc, record) == record
-    assert hs.engine_pid(os.getpid()) == os.getpid()  # no engine core: the process itself
+    procs, record = hs.start(os.getpid(), str(tmp_path / "x"))
+    assert procs == [] and record == {"error": "py-spy is not on PATH"}
+    assert hs.stop(procs, record) == record and hs.summarize_record(record) == {"error": "py-spy is not on PATH"}
+    assert hs.sampled_processes(os.getpid()) == {"server": os.getpid()}  # no engine processes: the server itself
+    missing = {"outputs": {"EngineCore_DP0": str(tmp_path / "none.txt")}, "pids": {"EngineCore_DP0": 1}}
+    assert "EngineCore_DP0" in hs.stop([], missing)["errors"]
 
 
 def test_a_sampled_load_is_never_reported_and_its_spec_names_its_file(tmp_path):
@@ -141,7 +160,7 @@ def test_a_sampled_load_is_never_reported_and_its_spec_names_its_file(tmp_path):
     a = run.parse_args(["--out", str(tmp_path), "--config", "seqs128", "--layers", "4", "--loads", "warm1k", "pyspy16"])
     loads = run.Benchmark(a).client_spec(3, a.side_list[0], 8000, 1.0)["loads"]
     assert "pyspy" not in loads[0]
-    assert loads[1]["pyspy"]["output"].endswith("pyspy-03-on-pyspy16.txt")
+    assert loads[1]["pyspy"]["prefix"].endswith("pyspy-03-on-pyspy16")
 
 
 def test_the_driver_reads_each_sampled_load(tmp_path):
@@ -149,12 +168,12 @@ def test_the_driver_reads_each_sampled_load(tmp_path):
     bench = run.Benchmark(a)
     out = tmp_path / "s.txt"
     out.write_text(COLLAPSED)
-    loads = [{"load": "warm1k"}, {"load": "pyspy16", "pyspy": {"output": str(out), "pid": 1, "exit": 0}},
-             {"load": "x", "pyspy": {"output": str(tmp_path / "none.txt"), "error": "py-spy wrote no file"}},
-             {"load": "y", "pyspy": {"output": str(tmp_path / "empty.txt")}}]  # fmt: skip
     (tmp_path / "empty.txt").write_text("")
+    loads = [{"load": "warm1k"},
+             {"load": "pyspy16", "pyspy": {"outputs": {"EngineCore_DP0": str(out), "Worker_TP0": str(tmp_path / "empty.txt")}}},
+             {"load": "x", "pyspy": {"error": "py-spy is not on PATH"}}]  # fmt: skip
     bench.read_host_samples(0, a.side_list[0], loads)
     assert "pyspy_summary" not in loads[0]
-    assert loads[1]["pyspy_summary"]["samples"] == 10
-    assert loads[2]["pyspy_summary"] == {"error": "py-spy wrote no file"}
-    assert loads[3]["pyspy_summary"]["error"].startswith("ValueError: no samples")
+    assert loads[1]["pyspy_summary"]["EngineCore_DP0"]["samples"] == 10
+    assert loads[1]["pyspy_summary"]["Worker_TP0"]["error"].startswith("ValueError: no samples")
+    assert loads[2]["pyspy_summary"] == {"error": "py-spy is not on PATH"}
