@@ -428,6 +428,17 @@ class _Meta(NamedTuple):
     TILES: object
 
 
+@triton.jit
+def _op1_tensors(pos_ptr, slot_ptr, cos_sin_ptr, q_pe_ptr, k_pe_ptr, kv_c_ptr, cache_ptr, cache_scale_ptr, strides,
+                 BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """The tensors every op reads and writes (op 1's), each with its strides (``strides``' first 12)."""
+    return (_Rope(pos_ptr, cos_sin_ptr, strides[0], strides[1]),
+            _HeadRows(q_pe_ptr, strides[2], strides[3], strides[4]),
+            _TokenRows(k_pe_ptr, strides[5], strides[6]),
+            _TokenRows(kv_c_ptr, strides[7], strides[8]),
+            _Cache(slot_ptr, cache_ptr, cache_scale_ptr, strides[9], strides[10], strides[11], BLOCK_SIZE))
+
+
 @triton.jit(do_not_specialize=["num_tokens", "n_cache_programs", "num_slots"],
             do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])  # fmt: skip
 def _mla_rope_cache_kernel_op1(
@@ -445,12 +456,10 @@ def _mla_rope_cache_kernel_op1(
     BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr,
 ):  # fmt: skip
     """Op 1: q_pe and k_pe rotated in place, [kv_c | rope(k_pe)] written to the cache."""
+    rope, q_pe, k_pe, kv_c, cache = _op1_tensors(pos_ptr, slot_ptr, cos_sin_ptr, q_pe_ptr, k_pe_ptr, kv_c_ptr, cache_ptr,
+                                                 cache_scale_ptr, strides, BLOCK_SIZE)
     _mla_rope_cache(
-        _Rope(pos_ptr, cos_sin_ptr, strides[0], strides[1]),
-        _HeadRows(q_pe_ptr, strides[2], strides[3], strides[4]),
-        _TokenRows(k_pe_ptr, strides[5], strides[6]),
-        _TokenRows(kv_c_ptr, strides[7], strides[8]),
-        _Cache(slot_ptr, cache_ptr, cache_scale_ptr, strides[9], strides[10], strides[11], BLOCK_SIZE),
+        rope, q_pe, k_pe, kv_c, cache,
         _HeadRows(q_pe_ptr, 0, 0, 0),  # no nope input
         _Output(q_pe_ptr, cache_scale_ptr, 0, 0, 0),  # no output: neither is read
         _Sizes(num_tokens, max_pos, num_slots, 0, n_cache_programs),
@@ -478,12 +487,10 @@ def _mla_rope_cache_kernel_op2(
     TILES: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr,
 ):  # fmt: skip
     """Op 2: q_out = [ql_nope | rope(q_pe)] (rounded as OUT_STORE says), the cache rows as op 1's."""
+    rope, q_pe, k_pe, kv_c, cache = _op1_tensors(pos_ptr, slot_ptr, cos_sin_ptr, q_pe_ptr, k_pe_ptr, kv_c_ptr, cache_ptr,
+                                                 cache_scale_ptr, strides, BLOCK_SIZE)
     _mla_rope_cache(
-        _Rope(pos_ptr, cos_sin_ptr, strides[0], strides[1]),
-        _HeadRows(q_pe_ptr, strides[2], strides[3], strides[4]),
-        _TokenRows(k_pe_ptr, strides[5], strides[6]),
-        _TokenRows(kv_c_ptr, strides[7], strides[8]),
-        _Cache(slot_ptr, cache_ptr, cache_scale_ptr, strides[9], strides[10], strides[11], BLOCK_SIZE),
+        rope, q_pe, k_pe, kv_c, cache,
         _HeadRows(ql_nope_ptr, strides[12], strides[13], strides[14]),
         _Output(q_out_ptr, q_scale_ptr, strides[15], strides[16], strides[17]),
         _Sizes(num_tokens, max_pos, num_slots, key_start, n_cache_programs),
@@ -508,12 +515,10 @@ def _mla_rope_cache_kernel_op3(
     TILES: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr,
 ):  # fmt: skip
     """Op 3: op 1's work, and the attention key k_out = [k_nope | rope(k_pe)] of tokens from key_start on."""
+    rope, q_pe, k_pe, kv_c, cache = _op1_tensors(pos_ptr, slot_ptr, cos_sin_ptr, q_pe_ptr, k_pe_ptr, kv_c_ptr, cache_ptr,
+                                                 cache_scale_ptr, strides, BLOCK_SIZE)
     _mla_rope_cache(
-        _Rope(pos_ptr, cos_sin_ptr, strides[0], strides[1]),
-        _HeadRows(q_pe_ptr, strides[2], strides[3], strides[4]),
-        _TokenRows(k_pe_ptr, strides[5], strides[6]),
-        _TokenRows(kv_c_ptr, strides[7], strides[8]),
-        _Cache(slot_ptr, cache_ptr, cache_scale_ptr, strides[9], strides[10], strides[11], BLOCK_SIZE),
+        rope, q_pe, k_pe, kv_c, cache,
         _HeadRows(k_nope_ptr, strides[12], strides[13], strides[14]),
         _Output(k_out_ptr, cache_scale_ptr, strides[15], strides[16], strides[17]),  # the key has no scale: never read
         _Sizes(num_tokens, max_pos, num_slots, key_start, n_cache_programs),

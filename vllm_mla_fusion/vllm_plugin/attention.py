@@ -326,8 +326,8 @@ class FusedMLAAttention(MLAAttention):
         if prefill is not None and not prefill.assembled:
             raise RuntimeError(
                 f"vllm-mla-fusion: {self.layer_name} had {end - num_decode} prefill tokens (and {prefill.key_start} "
-                "decode tokens the same launch serves) but vLLM's forward_mha never built their key; set "
-                "VLLM_MLA_FUSION_PREFILL_KEY to 0 (the fused key is opt-in) and report this vLLM configuration"
+                "decode tokens the same launch serves) but vLLM's forward_mha never built their key; unset "
+                "VLLM_MLA_FUSION_PREFILL_KEY (the fused key is opt-in) and report this vLLM configuration"
             )
 
     def assemble_prefill_key(self, k_nope: torch.Tensor, k_pe: torch.Tensor, vllm_concat) -> torch.Tensor:
