@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Packs vLLM 0.33.0 + torch 2.14.0 + Triton 3.8.0 (+ deps) for the lent GPU machine, which reaches no
-# package index: the shared pack script (../shared/tools/pack-vllm-for-h200.sh, 22 pieces of 60 MiB, re-split here into 52 MiB ones,
+# package index: the shared pack script (../shared/tools/pack-vllm-for-h200.sh, 22 pieces of 60 MiB, re-split here into 46 MiB ones,
 # ~1.3 GiB) writes into .vllm-h200/ in this checkout (git-ignored). Run on the CPU machine:
 #   scripts/pack_vllm_h200.sh            pack (skipped when .vllm-h200/parts.sha256 already checks out)
 #   scripts/pack_vllm_h200.sh --list     print the device calls that carry the pieces, and the install call
@@ -32,9 +32,9 @@ else
   git check-ignore -q "$DEST/" || { echo "$DEST is not git-ignored; refusing to fill it"; exit 1; }
   bash "$PACK" "$DEST"
 fi
-# One device call carries at most 64 MiB, the checkout's tracked files included (~9 MiB and
+# One device call carries at most 64 MiB, the checkout's tracked files included (~14 MiB and
 # growing): re-split the shared tool's 60 MiB pieces into PIECE_MIB ones (same bytes, in order).
-PIECE_MIB=${PIECE_MIB:-52}
+PIECE_MIB=${PIECE_MIB:-46}
 first=$(ls "$DEST"/parts/p[0-9][0-9] | head -1)
 if [ "$(stat -c %s "$first")" -gt $((PIECE_MIB * 1048576)) ]; then
   tmp=$DEST/parts.resplit
