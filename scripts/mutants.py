@@ -174,8 +174,8 @@ MUTANTS = [
            "pos = tl.minimum(tl.maximum(pos, 0), max_pos)  # clamp: never read past the table",
            f"{OPS} -k 'layouts and out_of_range'", "k_pe and q_pe rotated with the row past the table"),
     Mutant("query-table-rows-unclamped", K,
-           "    if not EARLY_INDEX_LOADS:\n        cos, sin = _query_cos_sin(rope, pos, max_pos, tq_mask,",
-           "    if not EARLY_INDEX_LOADS:\n        cos, sin = _query_cos_sin(rope, pos, 2**30, tq_mask,",
+           "    if not EARLY_INDEX_LOADS:\n        cos, sin = _load_cos_sin(rope, pos, max_pos, r_mask,",
+           "    if not EARLY_INDEX_LOADS:\n        cos, sin = _load_cos_sin(rope, pos, 2**30, r_mask,",
            f"{OPS} -k 'layouts and out_of_range'", "q_pe rotated with a row past the table"),
     Mutant("neox-pairing-power-of-two", K,
            "x2 = tl.load(x_ptr + row_off[:, None] + (i[None, :] + R // 2) * stride_x, mask=m2, other=0.0)",
@@ -227,9 +227,9 @@ MUTANTS = [
            "tests/backends/test_triton_launch.py -k early_index_loads",
            "early loads of the index copy the host launched just before"),
     Mutant("early-query-table-rows-of-the-token", K,
-           "cos, sin = _query_cos_sin(rope, pos, max_pos, tq_mask, R, BLOCK_R2, BLOCK_ROWS, HQ)\n"
+           "cos, sin = _load_cos_sin(rope, pos, max_pos, r_mask, R, BLOCK_R2)\n"
            "        if FIRST_TILE:\n            _wait_for_inputs(USE_PDL)",
-           "cos, sin = _query_cos_sin(rope, tq, max_pos, tq_mask, R, BLOCK_R2, BLOCK_ROWS, HQ)\n"
+           "cos, sin = _load_cos_sin(rope, t, max_pos, r_mask, R, BLOCK_R2)\n"
            "        if FIRST_TILE:\n            _wait_for_inputs(USE_PDL)",
            "tests/test_binding.py -k early_index_loads_change_no_byte",
            "the early copy of the query programs' table load takes the token index for the position"),
@@ -258,8 +258,8 @@ MUTANTS = [
            "tests/test_binding.py -k several_tiles",
            "every tile of a cache program waits for the previous kernel (and lets the next one launch) again"),
     Mutant("query-grid-not-shrunk", K,
-           'n_query = _cdiv(_cdiv(T * H, cfg["BLOCK_ROWS"]), tiles)',
-           'n_query = _cdiv(T * H, cfg["BLOCK_ROWS"])',
+           'n_query = _cdiv(_cdiv(T * self.p.num_heads, cfg["BLOCK_ROWS"]), tiles)',
+           'n_query = _cdiv(T * self.p.num_heads, cfg["BLOCK_ROWS"])',
            "tests/backends/test_triton_launch.py -k shrinks_each",
            "TILES times too many query programs, the extra ones all masked"),
     Mutant("plugin-early-promise-dropped", "vllm_mla_fusion/vllm_plugin/attention.py",
@@ -607,10 +607,4 @@ MUTANTS = [
     Mutant("tp8-gpu-count-unchecked", "scripts/gpu_tp8.sh",
            'if [ "$n" -ne "$GPUS" ]; then', "if false; then",
            "tests/benchmarks/serving/test_gpu_tp8_script.py -k eight_gpus", "a TP8 serve call started on a 1-GPU machine"),
-    Mutant("triton-op2-query-programs-as-rows", "vllm_mla_fusion/backends/triton.py",
-           "        if hq:  # [tokens, heads] tiles", "        if False:  # [tokens, heads] tiles",
-           "tests/test_ops.py -k decode_sizes", "op 2's query programs counted as (token, head) rows: heads past a power of two never written"),
-    Mutant("triton-op2-query-tile-one-head", "vllm_mla_fusion/backends/triton.py",
-           "hq = (index % HEAD_TILES) * HQ + tl.arange(0, HQ)\n", "hq = (index % HEAD_TILES) * HQ + tl.arange(0, HQ) * 0\n",
-           "tests/test_ops.py -k decode", "every row of an op 2 query tile given the tile's first head"),
 ]  # fmt: skip

@@ -12,9 +12,7 @@ two kinds of program:
   ``rope(k_pe)`` into the rope part of every head's key row ``k_out[t, h]``;
 - *query programs*, each taking tiles of ``BLOCK_ROWS`` (token, head) rows: ops 1 and 3
   rotate ``q_pe`` in place; op 2 writes ``[ql_nope | rope(q_pe)]`` into
-  ``q_out``; op 3 copies ``k_nope`` into the nope part of ``k_out``. Op 2's tiles are
-  [tokens, heads] (``_query_heads``): each token's rope-table row is loaded once
-  and broadcast over its heads; ops 1 and 3 take consecutive rows.
+  ``q_out``; op 3 copies ``k_nope`` into the nope part of ``k_out``.
 
 Op 3's key rows start at token ``key_start`` (0 unless the batch is mixed: its
 decode tokens come first and need no key, only what op 1 does), so the key row
@@ -289,29 +287,6 @@ def _load_halves(x_ptr, row_off, mask, IS_NEOX: tl.constexpr, R: tl.constexpr, B
         x = tl.load(x_ptr + row_off[:, None] + r[None, :] * stride_x, mask=mr, other=0.0).to(tl.float32)
         x1, x2 = tl.split(tl.reshape(x, [ROWS, BLOCK_R2, 2]))
     return x1, x2
-
-
-def _query_heads(op: int, block_rows: int, num_heads: int) -> int:
-    """Heads per query tile where a tile is [tokens, heads] (op 2: its rope-table rows loaded once per
-    token), else 0: BLOCK_ROWS consecutive (token, head) rows (ops 1 and 3, whose tiles as [tokens,
-    heads] compiled to more shared-memory layout conversions, and for one variant spilled)."""
-    return min(block_rows, 1 << (max(num_heads, 1) - 1).bit_length()) if op == 2 else 0
-
-
-_query_tile_heads = triton.constexpr_function(_query_heads)  # the same, inside the kernel
-
-
-@triton.jit
-def _query_cos_sin(rope, pos, max_pos, mask, R: tl.constexpr, BLOCK_R2: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                   HQ: tl.constexpr):  # fmt: skip
-    """The rope-table rows of a query tile's rows ``[BLOCK_ROWS, BLOCK_R2]``: ``pos`` has one entry per
-    row (HQ 0) or per token of a [tokens, HQ heads] tile, broadcast over its heads."""
-    cos, sin = _load_cos_sin(rope, pos, max_pos, mask, R, BLOCK_R2)
-    if HQ:
-        TQ: tl.constexpr = BLOCK_ROWS // HQ
-        cos = tl.reshape(tl.broadcast_to(cos[:, None, :], [TQ, HQ, BLOCK_R2]), [BLOCK_ROWS, BLOCK_R2])
-        sin = tl.reshape(tl.broadcast_to(sin[:, None, :], [TQ, HQ, BLOCK_R2]), [BLOCK_ROWS, BLOCK_R2])
-    return cos, sin
 
 
 @triton.jit
@@ -766,28 +741,13 @@ def _query_tile_loads(index, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCAL
     nope_ptr, stride_n_t, stride_n_h, stride_n_d = nope.ptr, nope.stride_t, nope.stride_h, nope.stride_col
     out_scale_ptr, stride_o_t, stride_o_h = out.scale_ptr, out.stride_t, out.stride_h
 
-    HQ: tl.constexpr = _query_tile_heads(OP, BLOCK_ROWS, H)
-    if HQ:
-        # Op 2: a tile of TQ tokens by HQ heads; each token's position and rope-table row are
-        # loaded once and broadcast over its heads.
-        TQ: tl.constexpr = BLOCK_ROWS // HQ
-        HEAD_TILES: tl.constexpr = (H + HQ - 1) // HQ
-        tq = (index // HEAD_TILES).to(tl.int64) * TQ + tl.arange(0, TQ)
-        hq = (index % HEAD_TILES) * HQ + tl.arange(0, HQ)
-        tq_mask = tq < num_tokens
-        t = tl.reshape(tl.broadcast_to(tq[:, None], [TQ, HQ]), [BLOCK_ROWS])
-        h = tl.reshape(tl.broadcast_to(hq[None, :], [TQ, HQ]), [BLOCK_ROWS])
-        r_mask = tl.reshape(tq_mask[:, None] & (hq < H)[None, :], [BLOCK_ROWS])
-    else:
-        # Ops 1 and 3: BLOCK_ROWS consecutive (token, head) rows, a rope-table row each.
-        rows = index.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        tq = rows // H
-        h = rows % H
-        tq_mask = tq < num_tokens
-        t, r_mask = tq, tq_mask
-    pos = tl.load(rope.pos_ptr + tq, mask=tq_mask, other=0).to(tl.int64)
+    rows = index.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    t = rows // H
+    h = rows % H
+    r_mask = t < num_tokens
+    pos = tl.load(rope.pos_ptr + t, mask=r_mask, other=0).to(tl.int64)
     if EARLY_INDEX_LOADS:
-        cos, sin = _query_cos_sin(rope, pos, max_pos, tq_mask, R, BLOCK_R2, BLOCK_ROWS, HQ)
+        cos, sin = _load_cos_sin(rope, pos, max_pos, r_mask, R, BLOCK_R2)
         if FIRST_TILE:
             _wait_for_inputs(USE_PDL)
     if OP != OP_ROPE_CACHE:
@@ -803,7 +763,7 @@ def _query_tile_loads(index, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCAL
     q_off = t * stride_q_t + h * stride_q_h
     q1, q2 = _load_halves(q_pe_ptr, q_off, r_mask, IS_NEOX, R, BLOCK_R2, stride_q_r, BLOCK_ROWS)
     if not EARLY_INDEX_LOADS:
-        cos, sin = _query_cos_sin(rope, pos, max_pos, tq_mask, R, BLOCK_R2, BLOCK_ROWS, HQ)
+        cos, sin = _load_cos_sin(rope, pos, max_pos, r_mask, R, BLOCK_R2)
     return r_mask, o_mask, n_off, n_mask, x, scale, inv_scale, o_off, q_off, q1, q2, cos, sin
 
 
@@ -1127,12 +1087,7 @@ class BoundLaunch:
         values = tuple(constexprs.values())
         tiles = cfg["TILES"]  # tiles per program, of either kind
         n_cache = _cdiv(_cdiv(T, cfg["BLOCK_T"]), tiles)
-        H = self.p.num_heads
-        hq = _query_heads(self.op, cfg["BLOCK_ROWS"], H)
-        if hq:  # [tokens, heads] tiles
-            n_query = _cdiv(_cdiv(T, cfg["BLOCK_ROWS"] // hq) * _cdiv(H, hq), tiles)
-        else:
-            n_query = _cdiv(_cdiv(T * H, cfg["BLOCK_ROWS"]), tiles)
+        n_query = _cdiv(_cdiv(T * self.p.num_heads, cfg["BLOCK_ROWS"]), tiles)
         plan = _Plan(n_cache + n_query, n_cache, cfg["num_warps"], constexprs, values)
         kernel = self.kernels.get(values)
         if kernel is not None:
