@@ -51,7 +51,10 @@ fi
 # shellcheck source=scripts/vllm_h200_env.sh
 source "$REPO/scripts/vllm_h200_env.sh"
 setup_vllm_env
-export PATH=$SITE_DIR/bin:$PATH  # py-spy
+# pip --target installs no scripts: py-spy (pyspy loads) is unpacked from its wheel.
+python3 -m benchmarks.serving.host_samples unpack "$WHL_DIR" "$SITE_DIR/bin" >/dev/null \
+  || note "py-spy not unpacked: pyspy loads will sample nothing"
+export PATH=$SITE_DIR/bin:$PATH
 
 resume=(--resume)
 [ "${SERVING_FRESH:-0}" = 1 ] && resume=()

@@ -607,4 +607,7 @@ MUTANTS = [
     Mutant("tp8-gpu-count-unchecked", "scripts/gpu_tp8.sh",
            'if [ "$n" -ne "$GPUS" ]; then', "if false; then",
            "tests/benchmarks/serving/test_gpu_tp8_script.py -k eight_gpus", "a TP8 serve call started on a 1-GPU machine"),
+    Mutant("serving-py-spy-left-in-its-wheel", "scripts/gpu_serving.sh",
+           "python3 -m benchmarks.serving.host_samples unpack", "true || python3 -m benchmarks.serving.host_samples unpack",
+           "tests/benchmarks/serving/test_gpu_script.py -k py_spy", "pyspy loads on the GPU machine find no py-spy (pip --target installs no scripts)"),
 ]  # fmt: skip

@@ -26,7 +26,10 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
+import sys
+import zipfile
 from collections import Counter
 from pathlib import Path
 
@@ -55,6 +58,27 @@ def sampled_processes(server_pid: int) -> dict[str, int]:
     except psutil.Error:
         pass
     return roles or {"server": server_pid}
+
+
+def unpack_py_spy(wheel_dir: Path, bin_dir: Path) -> Path:
+    """py-spy's binary from its wheel in ``wheel_dir``, written to ``bin_dir/py-spy`` (executable).
+
+    ``pip install --target``, the way the GPU scripts install the serving wheels, installs no
+    scripts, and py-spy is nothing but its wheel's ``*.data/scripts/py-spy``: on the lent machine
+    it was never on PATH until this. Raises FileNotFoundError naming what is missing."""
+    wheels = sorted(Path(wheel_dir).glob("py_spy-*.whl"))
+    if not wheels:
+        raise FileNotFoundError(f"no py_spy-*.whl in {wheel_dir} (scripts/pack_serving_wheels.sh)")
+    with zipfile.ZipFile(wheels[-1]) as wheel:
+        names = [n for n in wheel.namelist() if re.fullmatch(r"[^/]+\.data/scripts/py-spy", n)]
+        if not names:
+            raise FileNotFoundError(f"{wheels[-1].name} has no *.data/scripts/py-spy")
+        data = wheel.read(names[0])
+    Path(bin_dir).mkdir(parents=True, exist_ok=True)
+    exe = Path(bin_dir) / "py-spy"
+    exe.write_bytes(data)
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return exe
 
 
 def start(server_pid: int, prefix: str, rate_hz: int = RATE_HZ) -> tuple[list[subprocess.Popen], dict]:
@@ -198,3 +222,10 @@ def markdown(comparison: dict) -> str:
             lines += [f"  {d * 100:+6.1f}  {frame}" for frame, d in delta.items()]
             lines += ["```", ""]
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    # scripts/gpu_serving.sh: python -m benchmarks.serving.host_samples unpack WHEEL_DIR BIN_DIR
+    if len(sys.argv) != 4 or sys.argv[1] != "unpack":
+        sys.exit("usage: python -m benchmarks.serving.host_samples unpack WHEEL_DIR BIN_DIR")
+    print(unpack_py_spy(Path(sys.argv[2]), Path(sys.argv[3])))

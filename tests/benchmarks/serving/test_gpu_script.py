@@ -62,3 +62,29 @@ def test_without_the_wheels_it_says_what_to_carry(machine):
     (tmp_path / "whl" / "uvicorn-0.54.0-py3-none-any.whl").unlink()
     proc = subprocess.run(["bash", str(SCRIPT)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "carry .whl" in proc.stdout
+
+
+def test_py_spy_is_unpacked_from_its_wheel_onto_the_path(machine):
+    # pip --target (the wheels' install) leaves py-spy's binary out: the script unpacks it itself.
+    import zipfile
+
+    tmp_path, env = machine
+    wheel = tmp_path / "whl" / "py_spy-0.4.3-py2.py3-none-manylinux1_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("py_spy-0.4.3.data/scripts/py-spy", "#!/bin/sh\necho fake py-spy\n")
+        z.writestr("py_spy-0.4.3.dist-info/METADATA", "Name: py-spy\n")
+    marker = tmp_path / "site" / ".serving_wheels"
+    marker.write_text("./py_spy-0.4.3-py2.py3-none-manylinux1_x86_64.whl\n./uvicorn-0.54.0-py3-none-any.whl\n")
+    proc = subprocess.run(["bash", str(SCRIPT)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    exe = tmp_path / "site" / "bin" / "py-spy"
+    assert os.access(exe, os.X_OK)
+    assert subprocess.run([str(exe)], capture_output=True, text=True).stdout == "fake py-spy\n"
+    assert "py-spy not unpacked" not in proc.stdout
+
+
+def test_without_a_py_spy_wheel_it_says_pyspy_loads_sample_nothing(machine):
+    tmp_path, env = machine
+    proc = subprocess.run(["bash", str(SCRIPT)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "py-spy not unpacked: pyspy loads will sample nothing" in proc.stdout

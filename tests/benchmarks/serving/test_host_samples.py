@@ -177,3 +177,28 @@ def test_the_driver_reads_each_sampled_load(tmp_path):
     assert loads[1]["pyspy_summary"]["EngineCore_DP0"]["samples"] == 10
     assert loads[1]["pyspy_summary"]["Worker_TP0"]["error"].startswith("ValueError: no samples")
     assert loads[2]["pyspy_summary"] == {"error": "py-spy is not on PATH"}
+
+
+def test_py_spy_unpacked_from_its_wheels_data_scripts(tmp_path):
+    import zipfile
+
+    wheel_dir = tmp_path / "whl"
+    wheel_dir.mkdir()
+    with zipfile.ZipFile(wheel_dir / "py_spy-0.4.3-py2.py3-none-manylinux1_x86_64.whl", "w") as z:
+        z.writestr("py_spy-0.4.3.dist-info/sboms/py-spy.cyclonedx.json", "{}")  # a py-spy that is not the binary
+        z.writestr("py_spy-0.4.3.data/scripts/py-spy", b"\x7fELF binary")
+    exe = hs.unpack_py_spy(wheel_dir, tmp_path / "bin")
+    assert exe == tmp_path / "bin" / "py-spy" and exe.read_bytes() == b"\x7fELF binary"
+    assert os.access(exe, os.X_OK)
+
+
+def test_py_spy_unpack_names_what_is_missing(tmp_path):
+    import zipfile
+
+    with pytest.raises(FileNotFoundError, match="no py_spy-"):
+        hs.unpack_py_spy(tmp_path, tmp_path / "bin")
+    with zipfile.ZipFile(tmp_path / "py_spy-0.4.3-py3-none-any.whl", "w") as z:
+        z.writestr("py_spy-0.4.3.dist-info/METADATA", "Name: py-spy\n")
+    with pytest.raises(FileNotFoundError, match="has no"):
+        hs.unpack_py_spy(tmp_path, tmp_path / "bin")
+    assert not (tmp_path / "bin" / "py-spy").exists()
