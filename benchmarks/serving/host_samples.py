@@ -228,4 +228,7 @@ if __name__ == "__main__":
     # scripts/gpu_serving.sh: python -m benchmarks.serving.host_samples unpack WHEEL_DIR BIN_DIR
     if len(sys.argv) != 4 or sys.argv[1] != "unpack":
         sys.exit("usage: python -m benchmarks.serving.host_samples unpack WHEEL_DIR BIN_DIR")
-    print(unpack_py_spy(Path(sys.argv[2]), Path(sys.argv[3])))
+    try:
+        print(unpack_py_spy(Path(sys.argv[2]), Path(sys.argv[3])))
+    except (OSError, zipfile.BadZipFile) as e:  # FileNotFoundError among them: say what, no traceback
+        sys.exit(f"py-spy not unpacked: {e}")

@@ -202,3 +202,11 @@ def test_py_spy_unpack_names_what_is_missing(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no"):
         hs.unpack_py_spy(tmp_path, tmp_path / "bin")
     assert not (tmp_path / "bin" / "py-spy").exists()
+
+
+def test_py_spy_unpack_command_fails_with_a_message_not_a_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.serving.host_samples", "unpack", str(tmp_path),
+                           str(tmp_path / "bin")], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))  # fmt: skip
+    assert proc.returncode == 1
+    assert "py-spy not unpacked: no py_spy-" in proc.stderr and "Traceback" not in proc.stderr
