@@ -610,4 +610,10 @@ MUTANTS = [
     Mutant("serving-py-spy-left-in-its-wheel", "scripts/gpu_serving.sh",
            "python3 -m benchmarks.serving.host_samples unpack", "true || python3 -m benchmarks.serving.host_samples unpack",
            "tests/benchmarks/serving/test_gpu_script.py -k py_spy", "pyspy loads on the GPU machine find no py-spy (pip --target installs no scripts)"),
+    Mutant("k3-decode-peer-kv-c-for-k-pe", "benchmarks/kernels/peers.py",
+           "bf16_op(v.ql_nope, v.q_pe, v.kv_c, k_pe,", "bf16_op(v.ql_nope, v.q_pe, k_pe, v.kv_c,",
+           "tests/benchmarks/kernels/test_k3_decode_peer.py", "K3's decode op given the latent and the rope key swapped"),
+    Mutant("k3-decode-target-lenient", "benchmarks/kernels/bench_mla_rope_cache.py",
+           "dec_pairs, dec_pairs and s_min[0] >= 1.0,", "dec_pairs, dec_pairs and s_min[0] >= 0.95,",
+           "tests/benchmarks/kernels/test_k3_decode_peer.py", "op 2 called never slower than K3 while 2.5% slower"),
 ]  # fmt: skip

@@ -101,8 +101,10 @@ LABELS = {
     "what the plugin ran before op 3; CUDA graph",
     "triton_dense": "diagnostic: this project's op, but q_pe and k_pe dense tensors instead of vLLM's strided "
     "views (same bytes, no 384-byte row stride): what the layout costs; CUDA graph",
-    "vllm_k3": "vLLM's Kimi-K3 epilogue kernel fused_kimi_k3_mla_key_concat_kv_cache_insert (RoPE of q in "
-    "place, key, cache row; bf16 only, fp32 cos/sin; does not write k_pe back); CUDA graph",
+    "vllm_k3": "vLLM's Kimi-K3 kernels: the epilogue fused_kimi_k3_mla_key_concat_kv_cache_insert (RoPE of q in "
+    "place, key, cache row; bf16 only, fp32 cos/sin; does not write k_pe back) and, for op 2, the decode ops "
+    "fused_kimi_k3_mla_decode_q_concat_kv_cache_insert / _fp8_insert (query and cache row; bf16, or an e4m3fn "
+    "query with an e4m3fn cache); CUDA graph",
     "flashinfer": "FlashInfer rope_quantize_fp8_append_paged_kv_cache (decode, fp8 query and cache; "
     "index conversion outside the timed region); CUDA graph",
 }
@@ -386,9 +388,17 @@ class Impls:
                 raise Unavailable("n/a", "not measured for mixed batches")
             self._peer("vllm_fused")
         elif impl == "vllm_k3":
-            if cfg.op != "epilogue" or cfg.key != "bf16" or cfg.cache != "bf16":
-                raise Unavailable("n/a", "vLLM's K3 epilogue kernel: the prefill key, bf16 key and cache only")
-            self._peer("vllm_k3")
+            if cfg.op == "decode":
+                import torch
+
+                if cfg.cache == "fp8" and self.fp8_dtype != torch.float8_e4m3fn:
+                    raise Unavailable("n/a", "vLLM's K3 decode ops: bf16, or an e4m3fn query and cache")
+                self._peer("vllm_k3_decode")
+            elif cfg.op != "epilogue" or cfg.key != "bf16" or cfg.cache != "bf16":
+                raise Unavailable("n/a", "vLLM's K3 kernels: op 2 (decode), or the prefill key with a bf16 key and "
+                                  "cache")  # fmt: skip
+            else:
+                self._peer("vllm_k3")
         elif impl == "flashinfer":
             if cfg.op != "decode" or cfg.cache != "fp8":
                 raise Unavailable("n/a", "FlashInfer's fused op is decode-only with fp8 query and cache")
@@ -400,7 +410,8 @@ class Impls:
         if self.device.type != "cuda":
             raise Unavailable("missing", "peers run on a GPU only")
         loader = {"aiter_triton": peers.load_aiter_triton, "vllm_fused": peers.load_vllm,
-                  "vllm_k3": peers.load_vllm_k3, "flashinfer": peers.load_flashinfer}[impl]  # fmt: skip
+                  "vllm_k3": peers.load_vllm_k3, "vllm_k3_decode": peers.load_vllm_k3_decode,
+                  "flashinfer": peers.load_flashinfer}[impl]  # fmt: skip
         handle, reason = loader()
         if handle is None:
             raise Unavailable("missing", reason)
@@ -497,6 +508,9 @@ class Impls:
         if impl == "flashinfer":
             fn, _ = self._peer("flashinfer")
             return peers.flashinfer_decode_call(fn, v, neox, self.fp8_dtype)
+        if impl == "vllm_k3" and cfg.op == "decode":
+            fns, _ = self._peer("vllm_k3_decode")
+            return peers.vllm_k3_decode_call(fns, v, v.cos_sin_cache)  # K3 wants the fp32 table
         raise ValueError(impl)
 
     def _make_epilogue(self, impl: str, v: SimpleNamespace):
@@ -884,7 +898,8 @@ def _speedup(a: dict | None, b: dict | None) -> float | None:
 
 def table_rows(results: list[dict], section: str, impls: tuple[str, ...]) -> tuple[list[str], list[list[str]]]:
     head = ["op", "cache", "H", "bs", "T", "KB/call", "bw us", "floor us"] + [SHORT[i] for i in impls]
-    head += ["ours eff", "ours TB/s", "x unfused", "x k3" if section == "epilogue" else "x aiter", "L2"]
+    speedup_peers = ("unfused", "vllm_k3") if section == "epilogue" else ("unfused", "vllm_k3", "aiter_triton")
+    head += ["ours eff", "ours TB/s"] + [f"x {SHORT[p]}" for p in speedup_peers] + ["L2"]
     rows = []
     for key, by in sorted(_by_config(results, section).items(),
                           key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], kv[0][3], kv[0][4])):  # fmt: skip
@@ -898,7 +913,7 @@ def table_rows(results: list[dict], section: str, impls: tuple[str, ...]) -> tup
         ok = ours and ours["status"] == "ok"
         row.append(f"{ours['efficiency']:.2f}" if ok else "-")
         row.append(f"{ours['achieved_TBps']:.2f}" if ok else "-")
-        for peer in ("unfused", "vllm_k3" if section == "epilogue" else "aiter_triton"):
+        for peer in speedup_peers:
             s = _speedup(by.get(peer), ours)
             row.append(f"{s:.2f}" if s else "-")
         row.append("yes" if ok and ours.get("l2_resident") else ("no" if ok else "-"))
@@ -1028,7 +1043,8 @@ K3_ISSUE10_US = {(16, 1): 2.02, (16, 16): 2.88, (16, 64): 3.14, (16, 256): 3.91,
 
 
 def issue10_targets(results: list[dict], launch_us: float, smoke: bool) -> list[dict]:
-    """Issue 10's targets: the epilogue (op 3), op 1 at large T, two decode shapes."""
+    """Issue 10's targets: the epilogue (op 3), op 1 at large T, two decode shapes; and issue 41's op 2
+    against K3's decode ops."""
     ok = [r for r in results if r["status"] == "ok"]
     out = []
 
@@ -1061,6 +1077,19 @@ def issue10_targets(results: list[dict], launch_us: float, smoke: bool) -> list[
         same and s_min[0] >= 1.3,
         s_min and f"min {s_min[0]:.2f}x at H={s_min[1][0]} T={s_min[1][1]}; geomean "
         f"{_geomean([x for x, _ in same]):.2f}x over {len(same)} shapes")
+    # Issue 41: op 2 never slower than K3's decode ops, in bf16 or fp8, at any shape (same run).
+    k3_dec = {(r["cache"], r["H"], r["block_size"], r["T"]): r for r in ok
+              if r["section"] == "sweep" and r["op"] == "decode" and r["impl"] == "vllm_k3"}  # fmt: skip
+    dec_pairs = [(k3_dec[k]["us"] / r["us"], k) for r in ok
+                 if r["section"] == "sweep" and r["op"] == "decode" and r["impl"] == "triton"
+                 and (k := (r["cache"], r["H"], r["block_size"], r["T"])) in k3_dec]  # fmt: skip
+    s_min = min(dec_pairs) if dec_pairs else None
+    add("decode_vs_k3_same_run", "decode (op 2) vs vLLM's K3 decode ops in this run: never slower (>= 1.0x)",
+        dec_pairs, dec_pairs and s_min[0] >= 1.0,
+        s_min and f"min {s_min[0]:.3f}x at {s_min[1][0]} H={s_min[1][1]} T={s_min[1][3]}; slower at "
+        f"{sum(x < 1.0 for x, _ in dec_pairs)} of {len(dec_pairs)}; geomean "
+        + ", ".join(f"{c} {_geomean([x for x, k in dec_pairs if k[0] == c]):.3f}x"
+                    for c in sorted({k[0] for _, k in dec_pairs})))  # fmt: skip
     op1 = [r for r in ok if r["section"] == "sweep" and r["impl"] == "triton" and r["op"] == "prefill"
            and r["T"] >= 4096]  # fmt: skip
     w = min(op1, key=lambda r: r["efficiency"]) if op1 else None

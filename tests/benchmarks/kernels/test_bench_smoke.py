@@ -73,9 +73,13 @@ def test_sweep_entries(report, op, cache):
             assert r["status"] == "ok", r
             assert r["us"] > 0 and r["bytes"] > 0 and r["floor_us"] > 0 and r["efficiency"] > 0
             assert r["check"]["ok"], r["check"]
-    for peer in ("aiter_triton", "vllm_fused", "flashinfer"):
+    for peer in ("aiter_triton", "vllm_fused", "flashinfer", "vllm_k3"):
         for r in _rows(report, section="sweep", op=op, cache=cache, impl=peer):
             assert r["status"] in ("missing", "n/a") and r["reason"]  # reported, never faked
+    if op == "decode":  # K3's decode ops are op 2's peer (issue 41): a row per shape, never dropped
+        k3 = _rows(report, section="sweep", op=op, cache=cache, impl="vllm_k3")
+        assert len(k3) == len(cfg["heads"]) * len(cfg["tokens"]) * len(cfg["block_sizes"]), k3
+        assert all(r["status"] == "missing" for r in k3), k3  # a CPU run: peers run on a GPU only
 
 
 def test_mixed_and_decode_layer(report):
@@ -115,7 +119,8 @@ def test_targets(report):
     targets = {t["id"]: t for t in report["targets"]}
     assert set(targets) == {"bandwidth", "launch", "vs_aiter_triton", "vs_vllm_fused", "vs_flashinfer",
                             "decode_vs_unfused", "epilogue_bandwidth", "epilogue_vs_k3_issue",
-                            "epilogue_vs_k3_same_run", "op1_large_T", "decode_H128_T16", "decode_H128_T256"}  # fmt: skip
+                            "epilogue_vs_k3_same_run", "decode_vs_k3_same_run", "op1_large_T", "decode_H128_T16",
+                            "decode_H128_T256"}  # fmt: skip
     ok = [r for r in report["results"] if r["status"] == "ok"]
     sweep = [r for r in ok if r["section"] == "sweep" and r["impl"] == "triton"]
     launch_bound = [r for r in sweep if r["T"] <= 16]
