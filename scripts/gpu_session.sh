@@ -15,6 +15,9 @@
 #   scripts/gpu_session.sh e2e-ttft three engines per side with host timers (gpu_vllm_check.sh ttft)
 #   scripts/gpu_session.sh e2e-insitu  issue 20's pooled in-situ run, mixed steps included ($INSITU_KV:
 #                                   gpu_vllm_check.sh insitu)
+#   scripts/gpu_session.sh k3       issue 41's table in one call: the install beside the kernel's GPU tests,
+#                                   then the epilogue stage on torch 2.14 / Triton 3.8 with vLLM's Kimi-K3 ops
+#                                   as peers (op 3 and op 2, bf16 and fp8, T 1-16384, H 16 and 128)
 #   scripts/gpu_session.sh kernels  compute-sanitizer memcheck of the new cases; the kernel benchmark's
 #                                   epilogue section and the op 1 / op 2 shapes of issue 10 with vLLM's
 #                                   kernels (K3 included) as peers; the host-cost probe; the launch
@@ -85,6 +88,11 @@ e2e | e2e-fp8 | e2e-x | e2e-ttft | e2e-insitu)
   declare -A stage=([e2e]=e2e1 [e2e-fp8]=e2e2 [e2e-x]=e2ex [e2e-ttft]=ttft [e2e-insitu]=insitu)
   TOTAL_S=$(left) scripts/gpu_vllm_check.sh "${stage[$1]}" || status=1
   ;;
+k3)
+  install_during_kernel_tests 200
+  PYTHONPATH=$SITE_DIR BENCH_BUDGET_S=$(( $(left) - 60 )) timeout $(( $(left) - 25 )) scripts/gpu_check.sh epilogue \
+    || status=1
+  ;;
 kernels)
   export PYTHONPATH=$SITE_DIR
   SANITIZE_SELECTION=${SANITIZE_SELECTION:-"sanitize_core or out_of_range_slots"} \
@@ -94,7 +102,7 @@ kernels)
   timeout $(( $(left) - 25 )) scripts/gpu_check.sh tune || status=1
   ;;
 *)
-  echo "usage: scripts/gpu_session.sh first|host|install|hostpath|e2e|e2e-fp8|e2e-x|e2e-ttft|e2e-insitu|kernels"
+  echo "usage: scripts/gpu_session.sh first|host|install|hostpath|e2e|e2e-fp8|e2e-x|e2e-ttft|e2e-insitu|k3|kernels"
   exit 2 ;;
 esac
 echo "==== gpu_session $1: ${SECONDS}s, status $status"
