@@ -90,6 +90,12 @@ e2e | e2e-fp8 | e2e-x | e2e-ttft | e2e-insitu)
   ;;
 k3)
   install_during_kernel_tests 200
+  # Op 2 against K3's decode ops first (a budget cut drops what runs last), then the epilogue stage.
+  mkdir -p "$OUT/k3_decode"
+  PYTHONPATH=$SITE_DIR:$PWD timeout $(( $(left) / 2 )) python3 -m benchmarks.kernels.bench_mla_rope_cache \
+    --out "$OUT/k3_decode" --no-plot --sections sweep --ops decode --quick --impls triton vllm_k3 \
+    --tokens 1 16 64 256 1024 4096 16384 --time-budget-s $(( $(left) / 2 - 20 )) >"$OUT/k3_decode.log" 2>&1 || status=1
+  grep -A 40 "^SWEEP" "$OUT/k3_decode.log" | head -n 45
   PYTHONPATH=$SITE_DIR BENCH_BUDGET_S=$(( $(left) - 60 )) timeout $(( $(left) - 25 )) scripts/gpu_check.sh epilogue \
     || status=1
   ;;

@@ -79,7 +79,8 @@ def test_sweep_entries(report, op, cache):
     if op == "decode":  # K3's decode ops are op 2's peer (issue 41): a row per shape, never dropped
         k3 = _rows(report, section="sweep", op=op, cache=cache, impl="vllm_k3")
         assert len(k3) == len(cfg["heads"]) * len(cfg["tokens"]) * len(cfg["block_sizes"]), k3
-        assert all(r["status"] == "missing" for r in k3), k3  # a CPU run: peers run on a GPU only
+        # The smoke run's tiny latent and rope widths are not K3's (it compiles L 512, R 64 only).
+        assert all(r["status"] == "n/a" and "L 512 and R 64" in r["reason"] for r in k3), k3
 
 
 def test_mixed_and_decode_layer(report):
