@@ -167,8 +167,9 @@ def vllm_k3_decode_call(fns, v, cos_sin_cache: torch.Tensor):
     """K3's decode op on the benchmark's views, as vLLM's Kimi-K3 MLA layer calls it
     (``models/kimi_k3/nvidia/ops/fused_mla_key_concat_kv_cache.py``): ``q_out`` written
     ``[ql_nope | rope(q_pe)]``, the cache rows inserted. A bf16 query with a bf16 cache, or an
-    e4m3fn query with an e4m3fn cache, each multiplied by its scale's reciprocal (K3 takes
-    ``1 / scale`` as a [1] float32 tensor, made here once, outside the timed call); fp32 cos/sin."""
+    e4m3fn query with an e4m3fn cache (the views' ``q_out`` and ``typed_cache``), each multiplied by its
+    scale's reciprocal (K3 takes ``1 / scale`` as a [1] float32 tensor, made here once, outside the timed
+    call); fp32 cos/sin."""
     bf16_op, fp8_op = fns
     T = v.q_pe.shape[0]
     k_pe = v.k_pe.reshape(T, -1)
@@ -179,14 +180,11 @@ def vllm_k3_decode_call(fns, v, cos_sin_cache: torch.Tensor):
                     cos_sin_cache)  # fmt: skip
 
         return call
-    fp8 = torch.float8_e4m3fn
-    cache = v.kv_cache.view(fp8) if v.kv_cache.dtype != fp8 else v.kv_cache
-    q_out = v.q_out.view(fp8) if v.q_out.dtype != fp8 else v.q_out
     q_scale_inv = v.q_scale.reciprocal().reshape(1)
     cache_scale_inv = v.kv_cache_scale.reciprocal().reshape(1)
 
     def call():
-        fp8_op(v.ql_nope, v.q_pe, v.kv_c, k_pe, q_out, cache, v.slot_mapping, q_scale_inv, cache_scale_inv,
+        fp8_op(v.ql_nope, v.q_pe, v.kv_c, k_pe, v.q_out, v.typed_cache, v.slot_mapping, q_scale_inv, cache_scale_inv,
                block_size, v.positions, cos_sin_cache)  # fmt: skip
 
     return call

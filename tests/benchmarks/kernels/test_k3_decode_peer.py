@@ -18,10 +18,11 @@ T, H, L, R, NB, BS = 3, 4, 16, 8, 2, 16
 def _views(fp8: bool) -> SimpleNamespace:
     kv_a = torch.randn(T, L + R)
     ql_store = torch.randn(H, T, L)
+    kv_cache = torch.zeros(NB, BS, L + R, dtype=torch.uint8 if fp8 else torch.bfloat16)
     return SimpleNamespace(
         positions=torch.arange(T), slot_mapping=torch.tensor([5, 0, 17]), q_pe=torch.randn(T, H, 32)[..., 24:],
         k_pe=kv_a[:, L:], kv_c=torch.randn(T, L), ql_nope=ql_store.transpose(0, 1),
-        kv_cache=torch.zeros(NB, BS, L + R, dtype=torch.uint8 if fp8 else torch.bfloat16),
+        kv_cache=kv_cache, typed_cache=kv_cache.view(torch.float8_e4m3fn) if fp8 else kv_cache,
         q_out=torch.zeros(T, H, L + R, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16),
         q_scale=torch.tensor([0.5]) if fp8 else None, kv_cache_scale=torch.tensor([0.25]) if fp8 else None,
     )  # fmt: skip
