@@ -5,10 +5,10 @@ host-bound, and the torch profiler, which records every host op, slows the host 
 it cannot compare two sides' host time. py-spy samples the engine's processes' Python stacks from
 outside (``--nonblocking``: a process is never paused), at a fixed rate, for the length of the load.
 
-- ``start``: one py-spy per engine process of the server (its children that vLLM titles
-  ``VLLM::<role>``: the engine core, whose loop schedules, and the workers, where the model's forward
-  runs when the executor has worker processes), each writing collapsed stacks (``--format raw``:
-  one ``frame;frame;... count`` line per distinct stack);
+- ``start``: one py-spy per process of the server (``sampled_processes``: the API server, the engine
+  core, whose loop schedules, and the workers, where the model's forward runs when the executor has
+  worker processes), each writing collapsed stacks (``--format raw``: one ``frame;frame;... count``
+  line per distinct stack);
 - ``stop``: every py-spy interrupted, which makes it write its file;
 - ``summarize``: the samples per frame, inclusive (a frame anywhere in the stack) and self (the
   innermost frame), as shares of all samples; frames are ``function (file)``, lines dropped so that
@@ -38,26 +38,35 @@ FRAME_LINE = re.compile(r"^(?P<function>.*) \((?P<file>.*?)(?::\d+)?\)$")
 
 
 def sampled_processes(server_pid: int) -> dict[str, int]:
-    """The server's processes whose Python runs the engine, by role: its children that vLLM titles
-    ``VLLM::<role>`` (``EngineCore_DP0``, the scheduler's loop; ``Worker...``, where the model's forward
-    runs when the executor has worker processes), else ``{"server": server_pid}``."""
+    """The server's processes whose Python runs, by role: the API server itself (``APIServer``:
+    requests in, detokenized tokens out), then its children that run the engine. vLLM titles those
+    ``VLLM::<role>`` (``EngineCore_DP0``, the scheduler's loop; ``Worker...``, where the model's
+    forward runs when the executor has worker processes) where ``setproctitle`` is installed;
+    without it they are multiprocessing's spawned children (``spawn_main`` in their command line):
+    the server's own is the engine core, any below it a worker. multiprocessing's resource tracker
+    runs no engine and is left out."""
+    roles: dict[str, int] = {"APIServer": server_pid}
     try:
         import psutil  # a dependency of vLLM
     except ImportError:
-        return {"server": server_pid}
-    roles: dict[str, int] = {}
+        return roles
     try:
         for child in psutil.Process(server_pid).children(recursive=True):
             try:
-                title = (child.cmdline() or [child.name()])[0]
+                cmdline = child.cmdline() or [child.name()]
+                parent = child.ppid()
             except psutil.Error:
                 continue
-            if title.startswith("VLLM::"):
-                role = re.sub(r"[^A-Za-z0-9_-]", "_", title.split("::", 1)[1])
-                roles[role if role not in roles else f"{role}-{child.pid}"] = child.pid
+            if cmdline[0].startswith("VLLM::"):
+                role = re.sub(r"[^A-Za-z0-9_-]", "_", cmdline[0].split("::", 1)[1])
+            elif any("spawn_main" in arg for arg in cmdline):
+                role = "EngineCore" if parent == server_pid else "Worker"
+            else:
+                continue
+            roles[role if role not in roles else f"{role}-{child.pid}"] = child.pid
     except psutil.Error:
         pass
-    return roles or {"server": server_pid}
+    return roles
 
 
 def unpack_py_spy(wheel_dir: Path, bin_dir: Path) -> Path:
@@ -82,7 +91,7 @@ def unpack_py_spy(wheel_dir: Path, bin_dir: Path) -> Path:
 
 
 def start(server_pid: int, prefix: str, rate_hz: int = RATE_HZ) -> tuple[list[subprocess.Popen], dict]:
-    """One py-spy per engine process of ``server_pid`` (sampled_processes), each recording into
+    """One py-spy per process of ``server_pid`` (sampled_processes), each recording into
     ``<prefix>-<role>.txt``: ``(processes, record)``, the record saying what is sampled, or why
     nothing is (no process)."""
     exe = shutil.which("py-spy")
@@ -207,9 +216,10 @@ def compare_sides(servers: list[dict]) -> dict:
 
 def markdown(comparison: dict) -> str:
     """The report's section: per role, each side's top inclusive frames, then the largest differences."""
-    lines = ["", "## Where the engine's host time goes: py-spy samples of the engine's processes", "",
-             "Per process role, the share of samples whose stack holds the frame (inclusive), pooled over each "
-             "side's sampled loads; a frame that one side never runs, or outside a server's top 40, reads 0.",
+    lines = ["", "## Where the server's host time goes: py-spy samples of its processes", "",
+             "Per process role (`APIServer`: requests in, detokenized tokens out; `EngineCore`: the scheduler's "
+             "loop, and the model's forward without worker processes; `Worker`), the share of samples whose stack holds the frame (inclusive), pooled over each side's sampled loads; a frame "
+             "that one side never runs, or outside a server's top 40, reads 0.",
              ""]  # fmt: skip
     for role, c in comparison.items():
         lines += [f"### {role}", ""]

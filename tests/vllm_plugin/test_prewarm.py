@@ -84,9 +84,9 @@ def test_prewarm_switch(vllm_cpu, plugin_on, monkeypatch):
     monkeypatch.setenv("VLLM_MLA_FUSION_BACKEND", "triton")
     monkeypatch.setenv("VLLM_MLA_FUSION_PREWARM", "0")
     attn = vllm_cpu.build_attention()
-    assert H.mla_layer(attn)[1]._prewarm_block_size is None
+    assert H.mla_layer(attn)[1]._prewarm_cache_config is None
     monkeypatch.delenv("VLLM_MLA_FUSION_PREWARM")
-    assert H.mla_layer(vllm_cpu.build_attention())[1]._prewarm_block_size == H.BLOCK_SIZE
+    assert H.mla_layer(vllm_cpu.build_attention())[1]._prewarm_cache_config is vllm_cpu.config.cache_config
 
 
 def test_only_the_ops_a_layer_can_launch_are_compiled(vllm_cpu, plugin_on, monkeypatch):
@@ -112,13 +112,39 @@ def test_only_the_ops_a_layer_can_launch_are_compiled(vllm_cpu, plugin_on, monke
     assert {op for op, forced in ops if forced is not None} == {tb.OP_ROPE_CACHE.value}
 
 
-def test_the_variants_compiled_ahead_are_the_ones_the_steps_launch(vllm_cpu, triton_layer, monkeypatch):
+@pytest.fixture
+def layer_built_before_the_block_size(vllm_cpu, plugin_on, monkeypatch):
+    """A layer built while vLLM's cache config still holds another block size than the cache's.
+
+    vLLM builds the model first and only then settles the block size for the attention backend
+    (``Platform.update_block_size_for_backend``, after ``load_model``): FLASHMLA's 64, say,
+    where the layers saw the default 16. The profile run comes after that.
+    """
+    from vllm_mla_fusion.vllm_plugin import prewarm
+
+    monkeypatch.setenv("VLLM_MLA_FUSION_BACKEND", "triton")
+    monkeypatch.setenv("VLLM_MLA_FUSION_PREFILL_KEY", "1")
+    monkeypatch.setattr(prewarm, "_DONE", set())
+    cache_config = vllm_cpu.config.cache_config
+    monkeypatch.setattr(cache_config, "block_size", 4 * H.BLOCK_SIZE)
+    attn = vllm_cpu.build_attention()
+    cache_config.block_size = H.BLOCK_SIZE  # what vLLM settles before the profile run: the cache's
+    vllm_cpu.finish_weights(attn, seed=4)
+    H.mla_layer(attn)[1].bind_kv_cache(H.new_kv_cache(seed=9))
+    return attn
+
+
+@pytest.mark.parametrize("layer_fixture", ["triton_layer", "layer_built_before_the_block_size"])
+def test_the_variants_compiled_ahead_are_the_ones_the_steps_launch(vllm_cpu, layer_fixture, request, monkeypatch):
     """The profile run compiles through the layer's own bound ops (their early-index-loads
-    promise) and a scratch cache of the layer's block size: each launch of the steps that
-    follow has exactly the constexprs of a launch forced in the profile run (tiles, store
-    formats, ``BLOCK_SIZE``, ``EARLY_INDEX_LOADS``), so it runs a binary compiled ahead. As on
-    an sm_90 GPU: programmatic dependent launch on (its wait a no-op in the interpreter)."""
+    promise) and a scratch cache of the cache's block size, as vLLM has settled it by then:
+    each launch of the steps that follow has exactly the constexprs of a launch forced in the
+    profile run (tiles, store formats, ``BLOCK_SIZE``, ``EARLY_INDEX_LOADS``), so it runs a
+    binary compiled ahead. As on an sm_90 GPU: programmatic dependent launch on (its wait a
+    no-op in the interpreter)."""
     from vllm_mla_fusion.backends import triton as tb
+
+    triton_layer = request.getfixturevalue(layer_fixture)
 
     from ..test_binding import _no_wait
 

@@ -101,6 +101,31 @@ def test_checks_catch_a_difference(pair):
         checks.check_sides(claims, off, W.NUM_LAYERS)
     with pytest.raises(AssertionError, match="mla_prefill_rope_cache_write ran 0 times"):
         checks.check_census(claims, off, W.NUM_LAYERS, gpu=False)
+    # The same claim where every context request is an MLA decode row (a threshold above every
+    # prompt, as FLASHMLA's 128 over prompts of 8): no prefill rows for op 3, none expected.
+    decodes = {**claims, "facts": {**claims["facts"], "layers": [
+        {**l, "reorder_batch_threshold": 10**6} for l in claims["facts"]["layers"]]}}  # fmt: skip
+    checks.check_census(decodes, off, W.NUM_LAYERS, gpu=False)
+
+
+@pytest.mark.parametrize(("reqs", "tokens", "threshold", "rows"), [
+    (0, 0, 128, False), (4, 32, 1, True), (1, 600, 512, True), (2, 1025, 512, True), (3, 97, 32, True),
+    (4, 32, 128, None), (1, 512, 512, None), (1, 96, 128, None), (2, 600, 512, None),
+])  # fmt: skip
+def test_mla_prefill_rows(reqs, tokens, threshold, rows):
+    """A context request longer than the backend's threshold is an MLA prefill; a shorter one may
+    be either (FLASHMLA's uniform decode lengths), and totals that cannot tell say so."""
+    assert checks.mla_prefill_rows({"ctx_reqs": reqs, "ctx_tokens": tokens}, threshold) is rows
+
+
+def test_compiles_after_warm_up_check():
+    """Only the plugin's own kernels count: FLASHMLA's first engine, before the profile run took
+    the block size vLLM settles after building the model, compiled op 3's variants here."""
+    vllm_kernel = {"kernel": "_topk_log_softmax_kernel", "module": "vllm.v1.worker.gpu.sample.logprob", "compile_ms": 141.0}
+    ours = {"kernel": "_mla_rope_cache_kernel_op3", "module": "vllm_mla_fusion.backends.triton", "compile_ms": 660.4}
+    checks.check_no_plugin_compiles_after_warmup({"jit_after_warmup": [vllm_kernel]})
+    with pytest.raises(AssertionError, match="_mla_rope_cache_kernel_op3"):
+        checks.check_no_plugin_compiles_after_warmup({"jit_after_warmup": [vllm_kernel, ours]})
 
 
 def test_jit_hook_installed(pair):

@@ -125,6 +125,7 @@ def _report(run: Run) -> str:
             attempt("fp8 error", checks.check_fp8, on, off, run.engines[(W.case(c.backend, True).name, "off")])
         lines.append(f"  graph kernels visible to the profiler: {checks.graph_kernels_visible(on)}")
         attempt("host syncs", checks.check_host_syncs, on, off)
+        attempt("compiled ahead", checks.check_no_plugin_compiles_after_warmup, on)
         attempt("census", checks.check_census, on, off, W.NUM_LAYERS)
         for kind in ("decode", "prefill", "mixed"):
             lines.append(checks.kernel_reading(on, off, kind))
@@ -238,6 +239,11 @@ def test_fp8_error_no_larger_than_vllms(run, backend, fp8_query):
 @pytest.mark.parametrize("name", list(W.ALL_CASES))
 def test_no_host_sync_added(run, name):
     print(checks.check_host_syncs(*run.pair(name)))
+
+
+@pytest.mark.parametrize("name", list(W.ALL_CASES))
+def test_plugin_compiles_nothing_after_warm_up(run, name):
+    print(checks.check_no_plugin_compiles_after_warmup(run.pair(name)[0]))
 
 
 @pytest.mark.parametrize("name", list(W.ALL_CASES))

@@ -56,6 +56,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from vllm.config import CacheConfig
 from vllm.forward_context import in_piecewise_cudagraph
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.mla_attention import MLAAttention
@@ -153,7 +154,10 @@ class FusedMLAAttention(MLAAttention):
     _prefill_key_fused: bool  # the backend's forward_mha builds the key through _concat_k_nope_k_pe
     _prefill_key_step_rule: Callable[[object], str | None] | None  # its per-step rule, bound where it is fused
     _prefill_key_reasons: set[str]  # per-step fallback reasons already logged
-    _prewarm_block_size: int | None  # the cache's block size, when kernels are compiled in the profile run
+    # vLLM's cache config, where kernels are compiled in the profile run: its block size is read
+    # then, since vLLM settles it for the attention backend only after the model is built
+    # (Platform.update_block_size_for_backend: FLASHMLA 64, not the 16 a layer sees at construction).
+    _prewarm_cache_config: CacheConfig | None
     _decode_assembles_query: bool  # op 2 builds [ql_nope | rope(q_pe)]; else op 1 rotates the decode rows
     _graph_rope: bool  # piecewise-graph steps run op 1 inside the graph (custom_ops.piecewise_rope_kv_cache_update)
     # The layer's ops: its backend and VLLM_MLA_FUSION_DEBUG fixed when it was built; keyed by
@@ -161,11 +165,12 @@ class FusedMLAAttention(MLAAttention):
     _bound_ops: BoundOps
 
     @classmethod
-    def promote(cls, attn: MLAAttention, backend: str, block_size: int, graph_rope: bool = False) -> FusedMLAAttention:
+    def promote(cls, attn: MLAAttention, backend: str, cache_config: CacheConfig,
+                graph_rope: bool = False) -> FusedMLAAttention:  # fmt: skip
         """Turn ``attn`` into a FusedMLAAttention in place (see the module docstring).
 
         ``backend`` is the one the ops resolve to on this layer's device and
-        ``block_size`` the KV cache's (both for compiling the kernel ahead);
+        ``cache_config`` vLLM's (its block size, read in the profile run: both for compiling the kernel ahead);
         ``graph_rope``: piecewise-graph steps get op 1 inside the graph.
         """
         # Same condition as forward_impl's choice of the fp8 concat-quant.
@@ -203,7 +208,7 @@ class FusedMLAAttention(MLAAttention):
         attn._prefill_key_fused = prefill_reason is None
         attn._prefill_key_step_rule = eligibility.prefill_key_step_rule(attn.impl) if attn._prefill_key_fused else None
         attn._prefill_key_reasons = set()
-        attn._prewarm_block_size = block_size if backend != "torch" and env_enabled(ENV_PREWARM) else None
+        attn._prewarm_cache_config = cache_config if backend != "torch" and env_enabled(ENV_PREWARM) else None
         attn._decode_assembles_query = assemble_reason is None
         attn._graph_rope = graph_rope
         # Index tensors and rope table read before the grid-dependency wait: custom_ops.EARLY_INDEX_LOADS says why
@@ -279,9 +284,9 @@ class FusedMLAAttention(MLAAttention):
             # Profile and dummy runs: vLLM writes every token that has a slot
             # and forward_impl returns zeros without reading anything.
             num_decode, end = 0, num_tokens
-            if self._prewarm_block_size is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            if self._prewarm_cache_config is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
                 prewarm.kernels(self, q, kv_c_normed, k_pe, positions, cos_sin_cache, is_neox,
-                                self._prewarm_block_size, num_tokens)  # fmt: skip
+                                self._prewarm_cache_config.block_size, num_tokens)  # fmt: skip
         else:
             num_decode, end = attn_metadata.num_decode_tokens, attn_metadata.num_actual_tokens
         prefill = None

@@ -164,7 +164,7 @@ class FusedMultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         if splitting is not None and VLLM_ATTENTION_OP in splitting and custom_ops.ATTENTION_OP not in splitting:
             splitting.append(custom_ops.ATTENTION_OP)
         graph_rope_reason = eligibility.graph_rope_reason(vllm_config)
-        FusedMLAAttention.promote(self.mla_attn, backend, vllm_config.cache_config.block_size,
+        FusedMLAAttention.promote(self.mla_attn, backend, vllm_config.cache_config,
                                   graph_rope=graph_rope_reason is None)  # fmt: skip
         if graph_rope_reason is not None:
             logger.debug("vllm-mla-fusion: %s keeps its RoPE in the attention op in piecewise-graph steps: %s",

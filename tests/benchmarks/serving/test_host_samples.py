@@ -70,15 +70,14 @@ def test_sides_pooled_by_samples_per_role_and_their_differences():
 
 # A stand-in py-spy: records its arguments, writes its output file when interrupted, as py-spy does.
 FAKE_PY_SPY = """#!{python}
-import signal, sys, time
+import os, signal, sys, time
 args = sys.argv[1:]
-import os
-open({argv_dir!r} + f"/argv-{{os.getpid()}}.txt", "w").write(" ".join(args))
 out = args[args.index("--output") + 1]
 def done(*_):
     open(out, "w").write("main (x.py:1);step (core.py:2) 5\\n")
     sys.exit(0)
-signal.signal(signal.SIGINT, done)
+signal.signal(signal.SIGINT, done)  # before the argv file, which the test waits for before stopping
+open({argv_dir!r} + f"/argv-{{os.getpid()}}.txt", "w").write(" ".join(args))
 while True:
     time.sleep(0.05)
 """
@@ -97,23 +96,54 @@ def fake_py_spy(tmp_path, monkeypatch):
     return argv_file
 
 
-def _server_with_engine_processes():
-    """A process standing for `vllm serve`, with children titled as vLLM titles its engine core and worker."""
+def _wait_for_children(server, ready) -> list:
+    """The server's processes once ``ready(children)`` holds (they exec into their final command lines)."""
     psutil = pytest.importorskip("psutil")
-    server = subprocess.Popen(["bash", "-c", "(exec -a VLLM::EngineCore_DP0 sleep 60) & (exec -a VLLM::Worker_TP0 sleep 60) & wait"],
-                              start_new_session=True)  # fmt: skip
-    for _ in range(100):
-        titles = {}
-        for c in psutil.Process(server.pid).children(recursive=True):
-            try:
-                titles[(c.cmdline() or [""])[0]] = c.pid
-            except psutil.Error:
-                continue
-        if {"VLLM::EngineCore_DP0", "VLLM::Worker_TP0"} <= set(titles):
-            return server, {"EngineCore_DP0": titles["VLLM::EngineCore_DP0"], "Worker_TP0": titles["VLLM::Worker_TP0"]}
+    for _ in range(400):  # 20 s: a busy CI machine starts processes slowly
+        try:
+            children = psutil.Process(server.pid).children(recursive=True)
+            if ready(children):
+                return children
+        except psutil.Error:
+            pass
         time.sleep(0.05)
     os.killpg(server.pid, signal.SIGKILL)
     pytest.fail("the stand-in engine processes never started")
+
+
+def _server_with_engine_processes():
+    """A process standing for `vllm serve`, with children titled as vLLM titles its engine core and worker."""
+    server = subprocess.Popen(["bash", "-c", "(exec -a VLLM::EngineCore_DP0 sleep 60) & (exec -a VLLM::Worker_TP0 sleep 60) & wait"],
+                              start_new_session=True)  # fmt: skip
+    want = {"VLLM::EngineCore_DP0", "VLLM::Worker_TP0"}
+    children = _wait_for_children(server, lambda cs: want <= {(c.cmdline() or [""])[0] for c in cs})
+    titles = {(c.cmdline() or [""])[0]: c.pid for c in children}
+    return server, {"APIServer": server.pid, "EngineCore_DP0": titles["VLLM::EngineCore_DP0"],
+                    "Worker_TP0": titles["VLLM::Worker_TP0"]}  # fmt: skip
+
+
+def test_untitled_engine_processes_found_by_multiprocessing_spawn():
+    """Without setproctitle (the lent GPU machine has none) vLLM's processes keep python's command
+    line: multiprocessing's spawned children, the server's own the engine core, the one below it a
+    worker; the resource tracker is no engine."""
+    pytest.importorskip("psutil")
+    py = sys.executable
+    worker = "import time; time.sleep(60)  # spawn_main(tracker_fd=5, pipe_handle=7) worker"
+    engine = (f"import subprocess, time; subprocess.Popen([{py!r}, '-c', {worker!r}]); "
+              "time.sleep(60)  # spawn_main(tracker_fd=5, pipe_handle=9) engine")  # fmt: skip
+    tracker = "import time; time.sleep(60)  # from multiprocessing.resource_tracker import main; main(4)"
+    server = subprocess.Popen([py, "-c", f"import subprocess, time; subprocess.Popen([{py!r}, '-c', {engine!r}]); "
+                               f"subprocess.Popen([{py!r}, '-c', {tracker!r}]); time.sleep(60)"],
+                              start_new_session=True)  # fmt: skip
+    try:
+        children = _wait_for_children(server, lambda cs: len(cs) == 3 and all("time.sleep(60)" in " ".join(c.cmdline()) for c in cs))
+        engine_pid = next(c.pid for c in children if c.ppid() == server.pid and "engine" in " ".join(c.cmdline()))
+        worker_pid = next(c.pid for c in children if c.ppid() == engine_pid)
+        assert hs.sampled_processes(server.pid) == {"APIServer": server.pid, "EngineCore": engine_pid,
+                                                    "Worker": worker_pid}  # fmt: skip
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
 
 
 def test_the_samplers_attach_to_each_engine_process_and_write_on_stop(tmp_path, fake_py_spy):
@@ -123,16 +153,16 @@ def test_the_samplers_attach_to_each_engine_process_and_write_on_stop(tmp_path, 
         prefix = tmp_path / "results" / "pyspy-00-on-pyspy16"
         procs, record = hs.start(server.pid, str(prefix))
         outputs = {role: f"{prefix}-{role}.txt" for role in pids}
-        assert record == {"outputs": outputs, "pids": pids, "rate_hz": hs.RATE_HZ} and len(procs) == 2
-        for _ in range(100):
-            if len(list(fake_py_spy.parent.glob("argv-*.txt"))) == 2:
+        assert record == {"outputs": outputs, "pids": pids, "rate_hz": hs.RATE_HZ} and len(procs) == 3
+        for _ in range(400):  # 20 s: a busy CI machine starts processes slowly
+            if len(list(fake_py_spy.parent.glob("argv-*.txt"))) == 3:
                 break
             time.sleep(0.05)
         calls = sorted(p.read_text().split() for p in fake_py_spy.parent.glob("argv-*.txt"))
         assert [c[:3] for c in calls] == sorted(["record", "--pid", str(pid)] for pid in pids.values())
         assert all("--nonblocking" in c and "raw" in c for c in calls)
         record = hs.stop(procs, record)
-        assert record["exits"] == [0, 0] and "errors" not in record
+        assert record["exits"] == [0, 0, 0] and "errors" not in record
         summary = hs.summarize_record(record)
         assert {role: s["inclusive"]["step (core.py)"] for role, s in summary.items()} == {role: 1.0 for role in pids}
     finally:
@@ -145,7 +175,7 @@ def test_the_sampler_reports_why_nothing_was_sampled(tmp_path, monkeypatch):
     procs, record = hs.start(os.getpid(), str(tmp_path / "x"))
     assert procs == [] and record == {"error": "py-spy is not on PATH"}
     assert hs.stop(procs, record) == record and hs.summarize_record(record) == {"error": "py-spy is not on PATH"}
-    assert hs.sampled_processes(os.getpid()) == {"server": os.getpid()}  # no engine processes: the server itself
+    assert hs.sampled_processes(os.getpid())["APIServer"] == os.getpid()  # the server itself, engine processes or not
     missing = {"outputs": {"EngineCore_DP0": str(tmp_path / "none.txt")}, "pids": {"EngineCore_DP0": 1}}
     assert "EngineCore_DP0" in hs.stop([], missing)["errors"]
 
