@@ -1,4 +1,4 @@
-"""Where the engine's host time goes during a load, sampled by py-spy (a load with ``pyspy=1``).
+"""Where the server's host time goes during a load, sampled by py-spy (a load with ``pyspy=1``).
 
 In configurations whose steps with prompts run eagerly (past the CUDA-graph sizes), those steps are
 host-bound, and the torch profiler, which records every host op, slows the host several times over:
