@@ -16,8 +16,9 @@
 #   scripts/gpu_session.sh e2e-insitu  issue 20's pooled in-situ run, mixed steps included ($INSITU_KV:
 #                                   gpu_vllm_check.sh insitu)
 #   scripts/gpu_session.sh k3       issue 41's table in one call: the install beside the kernel's GPU tests,
-#                                   then the epilogue stage on torch 2.14 / Triton 3.8 with vLLM's Kimi-K3 ops
-#                                   as peers (op 3 and op 2, bf16 and fp8, T 1-16384, H 16 and 128)
+#                                   then on torch 2.14 / Triton 3.8 with vLLM's Kimi-K3 ops as peers: op 2
+#                                   (bf16, fp8) and op 3, T 1-16384, H 16 and 128, each as the public ops and
+#                                   as the plugin's layers launch ours
 #   scripts/gpu_session.sh kernels  compute-sanitizer memcheck of the new cases; the kernel benchmark's
 #                                   epilogue section and the op 1 / op 2 shapes of issue 10 with vLLM's
 #                                   kernels (K3 included) as peers; the host-cost probe; the launch
@@ -91,7 +92,9 @@ e2e | e2e-fp8 | e2e-x | e2e-ttft | e2e-insitu)
 k3)
   install_during_kernel_tests 200
   # Op 2 against K3's decode ops first (a budget cut drops what runs last), then op 3 against K3's
-  # epilogue; each section once, vLLM importable for the peers.
+  # epilogue; each section as the public ops launch ours, then as the plugin's layers do
+  # (--plugin-launches: the early-index-loads promise, what a vLLM user runs); vLLM importable
+  # for the peers. Each run takes ~20-30 s on an H100.
   k3_bench() {  # NAME SECONDS, then the benchmark's options
     local name=$1 budget=$2
     shift 2
@@ -101,8 +104,10 @@ k3)
       >"$OUT/$name.log" 2>&1 || status=1
     tail -n 45 "$OUT/$name.log"
   }
-  k3_bench k3_decode $(( $(left) / 2 - 20 )) --sections sweep --ops decode --impls triton vllm_k3
-  k3_bench k3_epilogue $(( $(left) - 45 )) --sections epilogue
+  k3_bench k3_decode $(( $(left) / 4 - 10 )) --sections sweep --ops decode --impls triton vllm_k3
+  k3_bench k3_decode_plugin $(( $(left) / 3 - 10 )) --sections sweep --ops decode --impls triton vllm_k3 --plugin-launches
+  k3_bench k3_epilogue $(( $(left) / 2 - 10 )) --sections epilogue
+  k3_bench k3_epilogue_plugin $(( $(left) - 45 )) --sections epilogue --plugin-launches
   ;;
 kernels)
   export PYTHONPATH=$SITE_DIR
