@@ -28,8 +28,9 @@ from pathlib import Path
 ENV_ENABLE = "VLLM_MLA_FUSION"  # vllm_mla_fusion.vllm_plugin.settings.ENV_ENABLE (not imported: the driver imports no torch)
 ENV_DECODE = "VLLM_MLA_FUSION_DECODE"  # off: every layer in rope_cache mode
 ENV_GRAPH_ROPE = "VLLM_MLA_FUSION_GRAPH_ROPE"  # on: decode mode logs itself as decode-graph-rope
+ENV_PREFILL_KEY = "VLLM_MLA_FUSION_PREFILL_KEY"  # on: decode mode logs itself as decode[-graph-rope]-prefill-key
 # The plugin's switches other than ENV_ENABLE (settings.ENVIRONMENT_VARIABLES; a test keeps them equal).
-SWITCHES = (ENV_DECODE, "VLLM_MLA_FUSION_PREFILL_KEY", "VLLM_MLA_FUSION_PREWARM", ENV_GRAPH_ROPE,
+SWITCHES = (ENV_DECODE, ENV_PREFILL_KEY, "VLLM_MLA_FUSION_PREWARM", ENV_GRAPH_ROPE,
             "VLLM_MLA_FUSION_BACKEND", "VLLM_MLA_FUSION_DEBUG", "VLLM_MLA_FUSION_PDL", "VLLM_MLA_FUSION_AITER_FP8")  # fmt: skip
 PACKAGE = "vllm_mla_fusion"
 OFF_VALUES = ("0", "false", "no", "off")  # settings.env_enabled's
@@ -64,7 +65,10 @@ class Side:
         env = {k: v.strip().lower() for k, v in self.env}
         if env.get(ENV_DECODE) in OFF_VALUES:
             return "rope_cache"
-        return "decode-graph-rope" if env.get(ENV_GRAPH_ROPE) in ON_VALUES else None
+        graph_rope, prefill_key = env.get(ENV_GRAPH_ROPE) in ON_VALUES, env.get(ENV_PREFILL_KEY) in ON_VALUES
+        if not (graph_rope or prefill_key):
+            return None
+        return "decode" + ("-graph-rope" if graph_rope else "") + ("-prefill-key" if prefill_key else "")
 
     def server_env(self, base: dict[str, str]) -> dict[str, str]:
         """``base`` with this side's switches and, for ``on@PATH``, PATH first on PYTHONPATH. The

@@ -249,6 +249,18 @@ def test_the_info_line_says_when_the_rope_moves_into_piecewise_graphs(vllm_cpu, 
                      "(backend torch, mode decode-graph-rope)"], lines  # fmt: skip
 
 
+def test_the_info_line_says_when_op_3_builds_the_prefill_key(vllm_cpu, plugin_on, as_rank_3, monkeypatch, caplog):
+    """VLLM_MLA_FUSION_PREFILL_KEY=1 (op 3, opt-in) shows in the mode, where the layer took it: a log
+    (and the serving benchmark's side check) tells a measured op-3 server from one that fell back."""
+    monkeypatch.setenv("VLLM_MLA_FUSION_PREFILL_KEY", "1")
+    with caplog.at_level(logging.INFO, logger=PLUGIN_LOGGER):
+        attn = vllm_cpu.build_attention()
+    assert attn.mla_attn.fusion_mode == "decode" and attn.mla_attn.mla_attn._prefill_key_fused
+    lines = [r.getMessage() for r in caplog.records if "use the fused RoPE" in r.getMessage()]
+    assert lines == ["vllm-mla-fusion (rank 3, local rank 3): MLA layers use the fused RoPE + KV-cache write "
+                     "(backend torch, mode decode-prefill-key)"], lines  # fmt: skip
+
+
 def test_debug_mode_is_warned_once_at_start_up(vllm_cpu, plugin_on, as_rank_3, monkeypatch, caplog):
     """VLLM_MLA_FUSION_DEBUG syncs every fused call: a server started with it says so, once per rank,
     beside the backend line (a serving comparison's plugin side would otherwise measure it unseen)."""

@@ -135,12 +135,16 @@ class FusedMultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
             )
             logger.debug("vllm-mla-fusion: setup failure in %s", self.prefix, exc_info=True)
             return
-        graph_rope = self.fusion_mode == MODE_DECODE and self.mla_attn._graph_rope
+        decode = self.fusion_mode == MODE_DECODE
         logger.info_once(
             "vllm-mla-fusion (%s): MLA layers use the fused RoPE + KV-cache write (backend %s, mode %s)",
             rank_label(),
             backend,
-            self.fusion_mode + ("-graph-rope" if graph_rope else ""),  # VLLM_MLA_FUSION_GRAPH_ROPE took effect
+            # The opt-in switches that took effect: VLLM_MLA_FUSION_GRAPH_ROPE, VLLM_MLA_FUSION_PREFILL_KEY
+            # (a backend whose prefill key op 3 cannot build keeps vLLM's: eligibility.prefill_key_reason).
+            self.fusion_mode
+            + ("-graph-rope" if decode and self.mla_attn._graph_rope else "")
+            + ("-prefill-key" if decode and self.mla_attn._prefill_key_fused else ""),
             scope="process",  # one line per rank, so ranks that chose differently are visible
         )
         for setting in slow_settings(backend, self.rotary_emb.cos_sin_cache.device):

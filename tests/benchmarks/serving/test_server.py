@@ -66,6 +66,10 @@ def test_a_switch_side_needs_the_mode_it_asks_for():
     assert confirm_side(graph, LINE.replace("mode decode", "mode decode-graph-rope"))
     with pytest.raises(ServerFailed, match="did not take effect"):
         confirm_side(graph, LINE)  # set but not eligible there, or not passed on
+    key = parse_side("on+VLLM_MLA_FUSION_PREFILL_KEY=1")  # op 3: a side measured as op 3 must have run it
+    assert confirm_side(key, LINE.replace("mode decode", "mode decode-prefill-key"))
+    with pytest.raises(ServerFailed, match="did not take effect"):
+        confirm_side(key, LINE)
 
 
 def test_off_must_not_have_the_line():

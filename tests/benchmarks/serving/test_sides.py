@@ -82,6 +82,9 @@ def test_a_plugin_side_with_switches(old_checkout):
     assert side.name == "on+VLLM_MLA_FUSION_DECODE=0" and side.slug == "on-DECODE_0"
     assert side.expected_mode == "rope_cache" and parse_side("on").expected_mode is None
     assert parse_side("on+VLLM_MLA_FUSION_GRAPH_ROPE=1").expected_mode == "decode-graph-rope"
+    assert parse_side("on+VLLM_MLA_FUSION_PREFILL_KEY=1").expected_mode == "decode-prefill-key"
+    assert parse_side("on+VLLM_MLA_FUSION_PREFILL_KEY=1+VLLM_MLA_FUSION_GRAPH_ROPE=on").expected_mode == (
+        "decode-graph-rope-prefill-key")  # fmt: skip
     env = side.server_env({"VLLM_MLA_FUSION_DECODE": "1", "OTHER": "x"})
     assert env == {"VLLM_MLA_FUSION": "1", "VLLM_MLA_FUSION_DECODE": "0", "OTHER": "x"}
     two = parse_side("on+VLLM_MLA_FUSION_PREFILL_KEY=0+VLLM_MLA_FUSION_PDL=0")
