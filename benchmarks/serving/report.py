@@ -114,6 +114,10 @@ def summarize(results: list[dict], sides: list[str], layers: int, prefix_cache: 
     return loads
 
 
+# Tokens per streamed message past which the API server is behind the engine (1.00 when it keeps up).
+API_SERVER_BEHIND = 1.05
+
+
 def host_figures(entry: dict, result: dict) -> dict | None:
     """Where one server's load spent the host's time, and the server's latencies against the client's.
 
@@ -174,6 +178,12 @@ def _host_lines(load: dict, sides: list[str]) -> list[str]:
                      f"{fmt(cores.get('client'), 2)} | {fmt(srv.get('ttft'))} / {fmt(cli.get('ttft'))} | {fmt(qp)} | "
                      f"{fmt(srv.get('itl'))} / {fmt(cli.get('itl'))} | "
                      f"{per_message} |")  # fmt: skip
+    behind = [f"{v['server']} ({side}, {v['host']['tokens_per_message']:.2f})" for side, v in rows
+              if v["host"].get("tokens_per_message", 1.0) > API_SERVER_BEHIND]  # fmt: skip
+    if behind:
+        lines += ["", f"**The API server fell behind the engine** on server(s) {', '.join(behind)}: more than "
+                  f"{API_SERVER_BEHIND} tokens per streamed message, so TTFT and ITL include its lag and the host's "
+                  "speed (issue 40's runs 1-3 and 7); compare sides only within this run."]  # fmt: skip
     steps = [(s, v) for s, v in rows if v["host"].get("engine_steps")]
     if steps:
         lines += ["", "Engine steps per server (vLLM's iteration log, `--enable-logging-iteration-details`; time: "

@@ -24,7 +24,7 @@ def triton_layer(vllm_cpu, plugin_on, monkeypatch):
 
     monkeypatch.setenv("VLLM_MLA_FUSION_BACKEND", "triton")
     monkeypatch.setenv("VLLM_MLA_FUSION_PREFILL_KEY", "1")  # op 3 (opt-in) too: all three ops compiled ahead
-    monkeypatch.setattr(prewarm, "_DONE", set())
+    monkeypatch.setattr(prewarm, "_DONE", {})
     attn = vllm_cpu.build_attention()
     vllm_cpu.finish_weights(attn, seed=4)
     H.mla_layer(attn)[1].bind_kv_cache(H.new_kv_cache(seed=9))
@@ -99,7 +99,7 @@ def test_only_the_ops_a_layer_can_launch_are_compiled(vllm_cpu, plugin_on, monke
 
     monkeypatch.setenv("VLLM_MLA_FUSION_BACKEND", "triton")
     monkeypatch.delenv("VLLM_MLA_FUSION_PREFILL_KEY", raising=False)
-    monkeypatch.setattr(prewarm, "_DONE", set())
+    monkeypatch.setattr(prewarm, "_DONE", {})
     monkeypatch.setattr(eligibility, "_DECODE_PAIR_BACKENDS", {(CPUMLAImpl.__module__, CPUMLAImpl.__qualname__)})
     attn = vllm_cpu.build_attention()
     vllm_cpu.finish_weights(attn, seed=5)
@@ -124,7 +124,7 @@ def layer_built_before_the_block_size(vllm_cpu, plugin_on, monkeypatch):
 
     monkeypatch.setenv("VLLM_MLA_FUSION_BACKEND", "triton")
     monkeypatch.setenv("VLLM_MLA_FUSION_PREFILL_KEY", "1")
-    monkeypatch.setattr(prewarm, "_DONE", set())
+    monkeypatch.setattr(prewarm, "_DONE", {})
     cache_config = vllm_cpu.config.cache_config
     monkeypatch.setattr(cache_config, "block_size", 4 * H.BLOCK_SIZE)
     attn = vllm_cpu.build_attention()
@@ -134,7 +134,71 @@ def layer_built_before_the_block_size(vllm_cpu, plugin_on, monkeypatch):
     return attn
 
 
-@pytest.mark.parametrize("layer_fixture", ["triton_layer", "layer_built_before_the_block_size"])
+@pytest.fixture
+def rope_cache_layer(vllm_cpu, plugin_on, monkeypatch):
+    """A rope_cache-mode layer (VLLM_MLA_FUSION_DECODE=0: vLLM's own MLAAttention, op 1 run by the
+    plugin's rope_kv_cache_update before vLLM's attention), built before vLLM settles the block size."""
+    from vllm_mla_fusion.vllm_plugin import prewarm
+
+    monkeypatch.setenv("VLLM_MLA_FUSION_BACKEND", "triton")
+    monkeypatch.setenv("VLLM_MLA_FUSION_DECODE", "0")
+    monkeypatch.setattr(prewarm, "_DONE", {})
+    cache_config = vllm_cpu.config.cache_config
+    monkeypatch.setattr(cache_config, "block_size", 4 * H.BLOCK_SIZE)
+    attn = vllm_cpu.build_attention()
+    cache_config.block_size = H.BLOCK_SIZE
+    assert attn.mla_attn.fusion_mode == "rope_cache"
+    vllm_cpu.finish_weights(attn, seed=4)
+    H.mla_layer(attn)[1].bind_kv_cache(H.new_kv_cache(seed=9))
+    return attn
+
+
+def test_a_rope_cache_layer_compiles_op_1_ahead(vllm_cpu, rope_cache_layer, monkeypatch):
+    """Without the decode mode the plugin still launches op 1 in every step: its variants are
+    compiled in the profile run too, and nothing is written."""
+    from vllm_mla_fusion.backends import triton as tb
+    from vllm_mla_fusion.validation import Problem
+
+    launches = []
+    original = tb.BoundLaunch.__call__
+    monkeypatch.setattr(tb.BoundLaunch, "__call__", lambda launch, *a: (launches.append(
+        (launch.op, tb.LAUNCH_CONFIG_OVERRIDE and dict(tb.LAUNCH_CONFIG_OVERRIDE))), original(launch, *a))[1])  # fmt: skip
+    mla = H.mla_layer(rope_cache_layer)[1]
+    cache_before = mla.kv_cache.clone()
+    _profile_step(vllm_cpu, rope_cache_layer, 40, seed=1)
+    assert torch.equal(mla.kv_cache, cache_before), "compiling ahead must not write the cache"
+    p = Problem(1, mla.num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim, torch.bfloat16, nope_dim=mla.qk_nope_head_dim)
+    assert [cfg for _, cfg in launches if cfg is not None] == tb.launch_configs(p, tb.OP_ROPE_CACHE.value,
+                                                                                torch.device("cpu"), 40)  # fmt: skip
+    assert {op for op, _ in launches} == {tb.OP_ROPE_CACHE.value}
+
+
+def test_a_larger_forward_compiles_what_a_smaller_one_did_not(vllm_cpu, triton_layer, monkeypatch):
+    """A dummy run before the profile run (fewer tokens) does not stand for it: the profile run
+    still compiles the variants only more tokens use; a forward no larger compiles nothing."""
+    from vllm_mla_fusion.backends import triton as tb
+    from vllm_mla_fusion.validation import Problem
+
+    forced = []
+    original = tb.BoundLaunch.__call__
+    monkeypatch.setattr(tb.BoundLaunch, "__call__", lambda launch, *a: (forced.append(
+        (launch.op, dict(tb.LAUNCH_CONFIG_OVERRIDE))) if tb.LAUNCH_CONFIG_OVERRIDE else None, original(launch, *a))[1])  # fmt: skip
+    mla = H.mla_layer(triton_layer)[1]
+    p = Problem(1, mla.num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim, torch.bfloat16, nope_dim=mla.qk_nope_head_dim)
+    small, large = 2, 64
+    _profile_step(vllm_cpu, triton_layer, small, seed=1)
+    _profile_step(vllm_cpu, triton_layer, large, seed=2)
+    for op in (tb.OP_ROPE_CACHE.value, tb.OP_DECODE.value, tb.OP_PREFILL.value):
+        wanted = tb.launch_configs(p, op, torch.device("cpu"), large)
+        assert any(cfg not in tb.launch_configs(p, op, torch.device("cpu"), small) for cfg in wanted), op  # else no test
+        assert [cfg for o, cfg in forced if o == op][-len(wanted):] == wanted, op
+    forced.clear()
+    _profile_step(vllm_cpu, triton_layer, large, seed=3)
+    _profile_step(vllm_cpu, triton_layer, small, seed=4)
+    assert forced == []
+
+
+@pytest.mark.parametrize("layer_fixture", ["triton_layer", "layer_built_before_the_block_size", "rope_cache_layer"])
 def test_the_variants_compiled_ahead_are_the_ones_the_steps_launch(vllm_cpu, layer_fixture, request, monkeypatch):
     """The profile run compiles through the layer's own bound ops (their early-index-loads
     promise) and a scratch cache of the cache's block size, as vLLM has settled it by then:

@@ -66,9 +66,9 @@ from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 from .. import validation
 from ..binding import BoundOps
 from ..opcodes import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE
-from . import eligibility, prewarm
+from . import eligibility
 from .settings import ENV_PREWARM, env_enabled
-from .custom_ops import EARLY_INDEX_LOADS, write_target
+from .custom_ops import EARLY_INDEX_LOADS, prewarm_in_profile_run, write_target
 
 logger = init_logger("vllm.vllm_mla_fusion.attention")
 
@@ -284,9 +284,7 @@ class FusedMLAAttention(MLAAttention):
             # Profile and dummy runs: vLLM writes every token that has a slot
             # and forward_impl returns zeros without reading anything.
             num_decode, end = 0, num_tokens
-            if self._prewarm_cache_config is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-                prewarm.kernels(self, q, kv_c_normed, k_pe, positions, cos_sin_cache, is_neox,
-                                self._prewarm_cache_config.block_size, num_tokens)  # fmt: skip
+            prewarm_in_profile_run(self, q, kv_c_normed, k_pe, positions, cos_sin_cache, is_neox)
         else:
             num_decode, end = attn_metadata.num_decode_tokens, attn_metadata.num_actual_tokens
         prefill = None

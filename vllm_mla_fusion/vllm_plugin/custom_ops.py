@@ -37,6 +37,8 @@ from vllm.utils.torch_utils import LayerNameType, _resolve_layer_name, direct_re
 from .. import validation
 from ..binding import BoundOps
 from ..opcodes import OP_ROPE_CACHE
+from . import prewarm
+from .settings import ENV_PREWARM, env_enabled
 
 NAMESPACE = "mla_fusion_vllm"
 ATTENTION_OP = f"{NAMESPACE}::mla_attention_with_output"
@@ -83,12 +85,23 @@ def write_target(
     return scratch, slots, "auto"
 
 
-def bind_rope_cache_ops(attn: torch.nn.Module, backend: str) -> None:
+def bind_rope_cache_ops(attn: torch.nn.Module, backend: str, cache_config) -> None:
     """Give a rope_cache-mode layer (vLLM's own MLAAttention) its ops, where a decode-mode layer
     keeps them (``_bound_ops``, which ``rope_kv_cache_update`` uses for either): backend and
     debug mode fixed when the layer is built, layouts validated once; early index loads as
-    EARLY_INDEX_LOADS says."""
+    EARLY_INDEX_LOADS says. ``cache_config`` is vLLM's, whose block size the profile run reads
+    to compile op 1's variants ahead (``_prewarm_cache_config``, as a decode-mode layer has it)."""
     attn._bound_ops = BoundOps(backend, validation.debug_enabled(), early_index_loads=EARLY_INDEX_LOADS)
+    attn._prewarm_cache_config = cache_config if backend != "torch" and env_enabled(ENV_PREWARM) else None
+
+
+def prewarm_in_profile_run(layer, q, kv_c_normed, k_pe, positions, cos_sin_cache, is_neox) -> None:
+    """In a forward without attention metadata (vLLM's profile and dummy runs), compile the
+    variants of every op the layer can launch (prewarm.py), for the block size vLLM has settled
+    by now; never while a CUDA graph is being captured."""
+    config = layer._prewarm_cache_config
+    if config is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        prewarm.kernels(layer, q, kv_c_normed, k_pe, positions, cos_sin_cache, is_neox, config.block_size, q.shape[0])
 
 
 def rope_kv_cache_update(
@@ -108,7 +121,9 @@ def rope_kv_cache_update(
     kv_c_normed ``[T, L]``. Returns an empty tensor that the attention op
     takes as ``kv_cache_dummy_dep``, so that the write is ordered before it.
     """
-    _, layer, kv_cache, slot_mapping = get_attention_context(_resolve_layer_name(layer_name))
+    attn_metadata, layer, kv_cache, slot_mapping = get_attention_context(_resolve_layer_name(layer_name))
+    if attn_metadata is None:
+        prewarm_in_profile_run(layer, q, kv_c_normed, k_pe, positions, cos_sin_cache, is_neox)
     rope_dim = k_pe.shape[-1]
     q_pe = q[..., q.shape[-1] - rope_dim :]
     cache, slots, cache_dtype = write_target(

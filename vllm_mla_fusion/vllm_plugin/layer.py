@@ -123,7 +123,7 @@ class FusedMultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
                 logger.debug(
                     "vllm-mla-fusion: %s assembles the decode query the vLLM way: %s", self.prefix, decode_reason
                 )
-                self._setup_rope_cache_mode(backend)
+                self._setup_rope_cache_mode(vllm_config, backend)
         except Exception as e:  # noqa: BLE001 - any setup failure means vLLM's path, never a half-fused layer
             self.fusion_mode = None
             logger.warning_once(
@@ -150,12 +150,12 @@ class FusedMultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         for setting in slow_settings(backend, self.rotary_emb.cos_sin_cache.device):
             logger.warning_once("vllm-mla-fusion (%s): %s", rank_label(), setting, scope="process")
 
-    def _setup_rope_cache_mode(self, backend: str) -> None:
+    def _setup_rope_cache_mode(self, vllm_config, backend: str) -> None:
         from . import custom_ops
 
         # Op 1's bound ops live on the attention layer, where rope_kv_cache_update finds them
         # by the layer's name; backend and debug mode fixed now, as in decode mode.
-        custom_ops.bind_rope_cache_ops(self.mla_attn, backend)
+        custom_ops.bind_rope_cache_ops(self.mla_attn, backend, vllm_config.cache_config)
         self.fusion_mode = MODE_ROPE_CACHE
 
     def _setup_decode_mode(self, vllm_config, backend: str) -> None:

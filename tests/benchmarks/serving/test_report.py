@@ -200,3 +200,12 @@ def test_each_servers_host_and_its_own_latencies_are_tabled_beside_the_clients(w
     assert "| 0 | on | 0.95 | 1.05 | 0.25 | 90.0 / 110.0 | 75.0 | 9.0 / 40.0 | 2.50 |" in md
     assert "| 1 | off |" not in md
     assert "| 0 | on | mixed | 12 | 2048 / 40 | 61.2 / 80.0 | 760 |" in md
+    assert "The API server fell behind the engine** on server(s) 0 (on, 2.50)" in md
+
+
+def test_a_run_whose_api_server_keeps_up_is_not_flagged(write_results):
+    results = report.read_results(write_results([vllm_result(0, "on", "rate4", tpot_ms=16.0, itl_ms=16.5)]))
+    entry = {"wall_s": 20.0, "server_cpu_s": {"api_server": 8.0}, "server_latency_ms": {"ttft": 90.0, "itl": 9.0}}
+    loads = report.summarize(results, ["on"], layers=61, hosts={(0, "rate4"): entry})
+    md = report.markdown(_report(loads, sides=["on"]))
+    assert "| 0 | on |" in md and "fell behind" not in md
