@@ -630,7 +630,7 @@ MUTANTS = [
            "a run whose API server fell behind (runs 1-3, 7) reads like any other"),
     Mutant("info-line-hides-op-3", "vllm_mla_fusion/vllm_plugin/layer.py",
            '+ ("-prefill-key" if decode and self.mla_attn._prefill_key_fused else ""),', '+ "",',
-           "tests/vllm_plugin/test_eligibility.py -k op_3_builds",
+           "tests/vllm_plugin/test_eligibility.py -k opt_in_switches",
            "a server started with VLLM_MLA_FUSION_PREFILL_KEY=1 cannot be told from one where op 3 fell back"),
     Mutant("serving-op-3-side-unchecked", "benchmarks/serving/sides.py",
            'graph_rope, prefill_key = env.get(ENV_GRAPH_ROPE) in ON_VALUES, env.get(ENV_PREFILL_KEY) in ON_VALUES',

@@ -232,33 +232,30 @@ def test_every_rank_logs_its_backend_and_mode(vllm_cpu, plugin_on, as_rank_3, ca
     lines = [r.getMessage() for r in caplog.records if "use the fused RoPE" in r.getMessage()]
     assert lines == ["vllm-mla-fusion (rank 3, local rank 3): MLA layers use the fused RoPE + KV-cache write "
                      "(backend torch, mode decode)"], lines  # fmt: skip
-def test_the_info_line_says_when_the_rope_moves_into_piecewise_graphs(vllm_cpu, plugin_on, as_rank_3, monkeypatch,
-                                                                     caplog):  # fmt: skip
-    """VLLM_MLA_FUSION_GRAPH_ROPE=1 shows in the mode the line names, so a log (and the serving
-    benchmark's side check) tells whether the switch took effect. As rank 3: a line is logged once
-    per process and arguments, and other tests build graph-rope layers as rank 0."""
+@pytest.mark.parametrize(("switches", "mode"), [
+    ({"VLLM_MLA_FUSION_GRAPH_ROPE": "1"}, "decode-graph-rope"),
+    ({"VLLM_MLA_FUSION_PREFILL_KEY": "1"}, "decode-prefill-key"),
+    ({"VLLM_MLA_FUSION_GRAPH_ROPE": "1", "VLLM_MLA_FUSION_PREFILL_KEY": "1"}, "decode-graph-rope-prefill-key"),
+])  # fmt: skip
+def test_the_info_line_names_the_opt_in_switches_that_took_effect(vllm_cpu, plugin_on, as_rank_3, monkeypatch,
+                                                                  caplog, switches, mode):  # fmt: skip
+    """VLLM_MLA_FUSION_GRAPH_ROPE=1 (the RoPE inside piecewise graphs, configured here) and
+    VLLM_MLA_FUSION_PREFILL_KEY=1 (op 3) show in the mode the line names where the layer took them,
+    so a log (and the serving benchmark's side check) tells whether a switch took effect. As rank 3:
+    a line is logged once per process and arguments, and other tests build such layers as rank 0."""
     from vllm.config import CUDAGraphMode
 
-    monkeypatch.setenv("VLLM_MLA_FUSION_GRAPH_ROPE", "1")
+    for name, value in switches.items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setattr(vllm_cpu.config.compilation_config, "cudagraph_mode", CUDAGraphMode.FULL_AND_PIECEWISE)
     with caplog.at_level(logging.INFO, logger=PLUGIN_LOGGER):
         attn = vllm_cpu.build_attention()
-    assert attn.mla_attn.fusion_mode == "decode" and attn.mla_attn.mla_attn._graph_rope
+    mla = attn.mla_attn.mla_attn
+    assert attn.mla_attn.fusion_mode == "decode"
+    assert (mla._graph_rope, mla._prefill_key_fused) == ("graph-rope" in mode, "prefill-key" in mode)
     lines = [r.getMessage() for r in caplog.records if "use the fused RoPE" in r.getMessage()]
     assert lines == ["vllm-mla-fusion (rank 3, local rank 3): MLA layers use the fused RoPE + KV-cache write "
-                     "(backend torch, mode decode-graph-rope)"], lines  # fmt: skip
-
-
-def test_the_info_line_says_when_op_3_builds_the_prefill_key(vllm_cpu, plugin_on, as_rank_3, monkeypatch, caplog):
-    """VLLM_MLA_FUSION_PREFILL_KEY=1 (op 3, opt-in) shows in the mode, where the layer took it: a log
-    (and the serving benchmark's side check) tells a measured op-3 server from one that fell back."""
-    monkeypatch.setenv("VLLM_MLA_FUSION_PREFILL_KEY", "1")
-    with caplog.at_level(logging.INFO, logger=PLUGIN_LOGGER):
-        attn = vllm_cpu.build_attention()
-    assert attn.mla_attn.fusion_mode == "decode" and attn.mla_attn.mla_attn._prefill_key_fused
-    lines = [r.getMessage() for r in caplog.records if "use the fused RoPE" in r.getMessage()]
-    assert lines == ["vllm-mla-fusion (rank 3, local rank 3): MLA layers use the fused RoPE + KV-cache write "
-                     "(backend torch, mode decode-prefill-key)"], lines  # fmt: skip
+                     f"(backend torch, mode {mode})"], lines  # fmt: skip
 
 
 def test_debug_mode_is_warned_once_at_start_up(vllm_cpu, plugin_on, as_rank_3, monkeypatch, caplog):

@@ -112,8 +112,7 @@ def test_only_the_ops_a_layer_can_launch_are_compiled(vllm_cpu, plugin_on, monke
     assert {op for op, forced in ops if forced is not None} == {tb.OP_ROPE_CACHE.value}
 
 
-@pytest.fixture
-def layer_built_before_the_block_size(vllm_cpu, plugin_on, monkeypatch):
+def _built_before_the_block_size(vllm_cpu, monkeypatch, **switches):
     """A layer built while vLLM's cache config still holds another block size than the cache's.
 
     vLLM builds the model first and only then settles the block size for the attention backend
@@ -123,7 +122,8 @@ def layer_built_before_the_block_size(vllm_cpu, plugin_on, monkeypatch):
     from vllm_mla_fusion.vllm_plugin import prewarm
 
     monkeypatch.setenv("VLLM_MLA_FUSION_BACKEND", "triton")
-    monkeypatch.setenv("VLLM_MLA_FUSION_PREFILL_KEY", "1")
+    for name, value in switches.items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setattr(prewarm, "_DONE", {})
     cache_config = vllm_cpu.config.cache_config
     monkeypatch.setattr(cache_config, "block_size", 4 * H.BLOCK_SIZE)
@@ -135,21 +135,16 @@ def layer_built_before_the_block_size(vllm_cpu, plugin_on, monkeypatch):
 
 
 @pytest.fixture
+def layer_built_before_the_block_size(vllm_cpu, plugin_on, monkeypatch):
+    return _built_before_the_block_size(vllm_cpu, monkeypatch, VLLM_MLA_FUSION_PREFILL_KEY="1")
+
+
+@pytest.fixture
 def rope_cache_layer(vllm_cpu, plugin_on, monkeypatch):
     """A rope_cache-mode layer (VLLM_MLA_FUSION_DECODE=0: vLLM's own MLAAttention, op 1 run by the
     plugin's rope_kv_cache_update before vLLM's attention), built before vLLM settles the block size."""
-    from vllm_mla_fusion.vllm_plugin import prewarm
-
-    monkeypatch.setenv("VLLM_MLA_FUSION_BACKEND", "triton")
-    monkeypatch.setenv("VLLM_MLA_FUSION_DECODE", "0")
-    monkeypatch.setattr(prewarm, "_DONE", {})
-    cache_config = vllm_cpu.config.cache_config
-    monkeypatch.setattr(cache_config, "block_size", 4 * H.BLOCK_SIZE)
-    attn = vllm_cpu.build_attention()
-    cache_config.block_size = H.BLOCK_SIZE
+    attn = _built_before_the_block_size(vllm_cpu, monkeypatch, VLLM_MLA_FUSION_DECODE="0")
     assert attn.mla_attn.fusion_mode == "rope_cache"
-    vllm_cpu.finish_weights(attn, seed=4)
-    H.mla_layer(attn)[1].bind_kv_cache(H.new_kv_cache(seed=9))
     return attn
 
 
