@@ -98,6 +98,7 @@ k3)
   k3_bench() {  # NAME SECONDS, then the benchmark's options
     local name=$1 budget=$2
     shift 2
+    [ "$budget" -ge 20 ] || { echo "== $name: skipped, ${budget} s left"; status=1; return; }
     mkdir -p "$OUT/$name"
     PYTHONPATH=$SITE_DIR:$PWD timeout $((budget + 20)) python3 -m benchmarks.kernels.bench_mla_rope_cache \
       --out "$OUT/$name" --no-plot --quick --tokens 1 16 64 256 1024 4096 16384 --time-budget-s "$budget" "$@" \

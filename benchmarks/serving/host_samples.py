@@ -43,8 +43,9 @@ def sampled_processes(server_pid: int) -> dict[str, int]:
     ``VLLM::<role>`` (``EngineCore_DP0``, the scheduler's loop; ``Worker...``, where the model's
     forward runs when the executor has worker processes) where ``setproctitle`` is installed;
     without it they are multiprocessing's spawned children (``spawn_main`` in their command line):
-    the server's own is the engine core, any below it a worker. multiprocessing's resource tracker
-    runs no engine and is left out."""
+    the server's own is the engine core, any below it a worker (with one API server and no data
+    parallelism, as the benchmark starts it: extra API servers or a DP coordinator would be named
+    EngineCore too). multiprocessing's resource tracker runs no engine and is left out."""
     roles: dict[str, int] = {"APIServer": server_pid}
     try:
         import psutil  # a dependency of vLLM

@@ -80,7 +80,7 @@ def confirm_side(side: Side, log: str, ranks: int = 1) -> dict:
                                "is missing from the server log: the plugin did not run")  # fmt: skip
         if fallback:
             raise ServerFailed(f"side {side.name}: the plugin fell back to vLLM's path: {fallback[0]}")
-        wrong = [f for f in fused if side.expected_mode and f["mode"] != side.expected_mode]
+        wrong = [f for f in fused if not side.accepts_mode(f["mode"])]
         if wrong:
             raise ServerFailed(f"side {side.name}: its switches ask for mode {side.expected_mode}, the plugin's "
                                f"line says {wrong[0]['mode']}: the switch did not take effect (not set in the "

@@ -70,6 +70,15 @@ class Side:
             return None
         return "decode" + ("-graph-rope" if graph_rope else "") + ("-prefill-key" if prefill_key else "")
 
+    def accepts_mode(self, mode: str) -> bool:
+        """Whether the plugin's line may name ``mode`` on this side: the expected mode, or for a
+        checkout's side (``on@PATH``) that mode without ``-prefill-key``, since checkouts from before
+        the line named op 3 (1d01116) say plain ``decode`` with it on."""
+        want = self.expected_mode
+        if want is None or mode == want:
+            return True
+        return self.checkout is not None and want.endswith("-prefill-key") and mode == want.removesuffix("-prefill-key")
+
     def server_env(self, base: dict[str, str]) -> dict[str, str]:
         """``base`` with this side's switches and, for ``on@PATH``, PATH first on PYTHONPATH. The
         plugin's switches set in ``base`` (the driver's own environment) are dropped: a side is

@@ -112,12 +112,14 @@ def test_only_the_ops_a_layer_can_launch_are_compiled(vllm_cpu, plugin_on, monke
     assert {op for op, forced in ops if forced is not None} == {tb.OP_ROPE_CACHE.value}
 
 
-def _built_before_the_block_size(vllm_cpu, monkeypatch, **switches):
+def _built_before_the_block_size(vllm_cpu, monkeypatch, manager_block_size=H.BLOCK_SIZE, **switches):
     """A layer built while vLLM's cache config still holds another block size than the cache's.
 
     vLLM builds the model first and only then settles the block size for the attention backend
     (``Platform.update_block_size_for_backend``, after ``load_model``): FLASHMLA's 64, say,
-    where the layers saw the default 16. The profile run comes after that.
+    where the layers saw the default 16. The profile run comes after that. ``manager_block_size``:
+    the size it settles (``--block-size``), of which the cache's kernel blocks may be a divisor
+    (vLLM's ``select_common_block_size``: CPU_MLA takes 16 only).
     """
     from vllm_mla_fusion.vllm_plugin import prewarm
 
@@ -128,7 +130,7 @@ def _built_before_the_block_size(vllm_cpu, monkeypatch, **switches):
     cache_config = vllm_cpu.config.cache_config
     monkeypatch.setattr(cache_config, "block_size", 4 * H.BLOCK_SIZE)
     attn = vllm_cpu.build_attention()
-    cache_config.block_size = H.BLOCK_SIZE  # what vLLM settles before the profile run: the cache's
+    cache_config.block_size = manager_block_size  # what vLLM settles before the profile run
     vllm_cpu.finish_weights(attn, seed=4)
     H.mla_layer(attn)[1].bind_kv_cache(H.new_kv_cache(seed=9))
     return attn
@@ -137,6 +139,12 @@ def _built_before_the_block_size(vllm_cpu, monkeypatch, **switches):
 @pytest.fixture
 def layer_built_before_the_block_size(vllm_cpu, plugin_on, monkeypatch):
     return _built_before_the_block_size(vllm_cpu, monkeypatch, VLLM_MLA_FUSION_PREFILL_KEY="1")
+
+
+@pytest.fixture
+def layer_of_a_larger_manager_block(vllm_cpu, plugin_on, monkeypatch):
+    """``--block-size 32`` where the backend's kernels take 16: the cache tensor has blocks of 16."""
+    return _built_before_the_block_size(vllm_cpu, monkeypatch, 2 * H.BLOCK_SIZE, VLLM_MLA_FUSION_PREFILL_KEY="1")
 
 
 @pytest.fixture
@@ -193,7 +201,8 @@ def test_a_larger_forward_compiles_what_a_smaller_one_did_not(vllm_cpu, triton_l
     assert forced == []
 
 
-@pytest.mark.parametrize("layer_fixture", ["triton_layer", "layer_built_before_the_block_size", "rope_cache_layer"])
+@pytest.mark.parametrize("layer_fixture", ["triton_layer", "layer_built_before_the_block_size",
+                                           "layer_of_a_larger_manager_block", "rope_cache_layer"])
 def test_the_variants_compiled_ahead_are_the_ones_the_steps_launch(vllm_cpu, layer_fixture, request, monkeypatch):
     """The profile run compiles through the layer's own bound ops (their early-index-loads
     promise) and a scratch cache of the cache's block size, as vLLM has settled it by then:

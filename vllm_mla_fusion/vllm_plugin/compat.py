@@ -35,6 +35,7 @@ REQUIRED_ATTRIBUTES: tuple[tuple[str, str], ...] = (
     ("vllm.utils.torch_utils", "direct_register_custom_op"),
     ("vllm.utils.torch_utils", "_encode_layer_name"),
     ("vllm.utils.torch_utils", "_resolve_layer_name"),
+    ("vllm.v1.worker.utils", "select_common_block_size"),
     ("vllm.models.common.ops", "fused_q_kv_rmsnorm"),
 )
 

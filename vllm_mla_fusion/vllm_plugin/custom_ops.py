@@ -11,6 +11,8 @@ capture what the op launches.
   attention metadata): ``mla_fusion::mla_rope_cache_write`` over the whole
   padded batch. Replaces the wrapper's RoPE and vLLM's
   ``unified_mla_kv_cache_update``; vLLM's attention op follows unchanged.
+  In a forward without attention metadata (the profile run) it first compiles
+  the layer's variants ahead (``prewarm_in_profile_run``).
 - ``mla_attention_with_output`` (a splitting op, like vLLM's attention op):
   RoPE + cache write for prefill tokens, then vLLM's ``forward_impl`` whose
   decode query assembly runs ``mla_fusion::mla_decode_rope_cache_write``
@@ -33,6 +35,7 @@ from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import LayerNameType, _resolve_layer_name, direct_register_custom_op
+from vllm.v1.worker.utils import select_common_block_size
 
 from .. import validation
 from ..binding import BoundOps
@@ -97,11 +100,18 @@ def bind_rope_cache_ops(attn: torch.nn.Module, backend: str, cache_config) -> No
 
 def prewarm_in_profile_run(layer, q, kv_c_normed, k_pe, positions, cos_sin_cache, is_neox) -> None:
     """In a forward without attention metadata (vLLM's profile and dummy runs), compile the
-    variants of every op the layer can launch (prewarm.py), for the block size vLLM has settled
-    by now; never while a CUDA graph is being captured."""
+    variants of every op the layer can launch (prewarm.py), for the block size of the cache its
+    steps will address; never while a CUDA graph is being captured.
+
+    That block size is vLLM's kernel block size: the cache manager's (``cache_config.block_size``,
+    which vLLM settles for the backend only after the model is built, so it is read now), or the
+    largest size the backend supports that divides it where the manager's is not one of them
+    (``--block-size 128`` on FLASHMLA's 64), as vLLM's ``prepare_kernel_block_sizes`` picks it
+    for an MLA model's one cache group."""
     config = layer._prewarm_cache_config
     if config is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        prewarm.kernels(layer, q, kv_c_normed, k_pe, positions, cos_sin_cache, is_neox, config.block_size, q.shape[0])
+        block_size = select_common_block_size(config.block_size, [layer.attn_backend])
+        prewarm.kernels(layer, q, kv_c_normed, k_pe, positions, cos_sin_cache, is_neox, block_size, q.shape[0])
 
 
 def rope_kv_cache_update(

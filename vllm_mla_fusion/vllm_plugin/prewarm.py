@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 
 from .. import fp8
-from ..backends import triton as triton_backend
 from ..opcodes import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE
 from ..validation import Problem
 
@@ -56,8 +55,12 @@ def kernels(attn, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor
     """Compile every launch configuration the layer's ops use for 1 to ``max_tokens`` tokens.
 
     ``attn`` is a FusedMLAAttention, or a rope_cache-mode layer; the other tensors are the
-    profile run's. Returns the number of variants launched (0 when already done or not Triton).
+    profile run's. Returns the number of variants launched (0 when already done). A layer whose
+    ops resolve to the torch backend never comes here (``_prewarm_cache_config`` is None); the
+    launch configurations are the Triton kernel's, which AITER's ops hand what they do not compute.
     """
+    from ..backends import triton as triton_backend  # an optional dependency: imported only to compile
+
     H, L, R, P = attn.num_heads, attn.kv_lora_rank, attn.qk_rope_head_dim, attn.qk_nope_head_dim
     act = q.dtype
     kvd = attn.kv_cache_dtype

@@ -72,6 +72,16 @@ def test_a_switch_side_needs_the_mode_it_asks_for():
         confirm_side(key, LINE)
 
 
+def test_a_checkouts_op_3_side_may_log_the_mode_without_op_3(tmp_path):
+    """A checkout from before the line named op 3 logs plain decode with it on: accepted there only."""
+    (tmp_path / "vllm_mla_fusion").mkdir()
+    (tmp_path / "vllm_mla_fusion" / "__init__.py").write_text("")
+    at = parse_side(f"on@{tmp_path}+VLLM_MLA_FUSION_PREFILL_KEY=1")
+    assert confirm_side(at, LINE) and confirm_side(at, LINE.replace("mode decode", "mode decode-prefill-key"))
+    with pytest.raises(ServerFailed, match="did not take effect"):
+        confirm_side(at, LINE.replace("mode decode", "mode rope_cache"))
+
+
 def test_off_must_not_have_the_line():
     assert confirm_side(parse_side("off"), "INFO Using FLASH_ATTN_MLA backend.\n")["fused_lines"] == []
     with pytest.raises(ServerFailed, match="switched off"):
