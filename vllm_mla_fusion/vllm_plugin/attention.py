@@ -63,12 +63,10 @@ from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
-from .. import validation
 from ..binding import BoundOps
 from ..opcodes import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE
 from . import eligibility
-from .settings import ENV_PREWARM, env_enabled
-from .custom_ops import EARLY_INDEX_LOADS, prewarm_in_profile_run, write_target
+from .custom_ops import bind_layer_ops, prewarm_in_profile_run, write_target
 
 logger = init_logger("vllm.vllm_mla_fusion.attention")
 
@@ -208,11 +206,9 @@ class FusedMLAAttention(MLAAttention):
         attn._prefill_key_fused = prefill_reason is None
         attn._prefill_key_step_rule = eligibility.prefill_key_step_rule(attn.impl) if attn._prefill_key_fused else None
         attn._prefill_key_reasons = set()
-        attn._prewarm_cache_config = cache_config if backend != "torch" and env_enabled(ENV_PREWARM) else None
         attn._decode_assembles_query = assemble_reason is None
         attn._graph_rope = graph_rope
-        # Index tensors and rope table read before the grid-dependency wait: custom_ops.EARLY_INDEX_LOADS says why
-        attn._bound_ops = BoundOps(backend, validation.debug_enabled(), early_index_loads=EARLY_INDEX_LOADS)
+        bind_layer_ops(attn, backend, cache_config)  # _bound_ops and _prewarm_cache_config, as in rope_cache mode
         if fp8_query:
             attn._decode_concat_quant_fp8_op = _DeferredDecodeQuery()
         if assemble_reason is None:

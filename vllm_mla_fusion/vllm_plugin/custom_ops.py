@@ -88,12 +88,13 @@ def write_target(
     return scratch, slots, "auto"
 
 
-def bind_rope_cache_ops(attn: torch.nn.Module, backend: str, cache_config) -> None:
-    """Give a rope_cache-mode layer (vLLM's own MLAAttention) its ops, where a decode-mode layer
-    keeps them (``_bound_ops``, which ``rope_kv_cache_update`` uses for either): backend and
-    debug mode fixed when the layer is built, layouts validated once; early index loads as
-    EARLY_INDEX_LOADS says. ``cache_config`` is vLLM's, whose block size the profile run reads
-    to compile op 1's variants ahead (``_prewarm_cache_config``, as a decode-mode layer has it)."""
+def bind_layer_ops(attn: torch.nn.Module, backend: str, cache_config) -> None:
+    """Give a fused layer its ops, in either mode (``_bound_ops``: a rope_cache-mode layer, vLLM's
+    own MLAAttention, uses them through ``rope_kv_cache_update``; a decode-mode layer from its
+    attention op too): backend and debug mode fixed when the layer is built, layouts validated
+    once; early index loads as EARLY_INDEX_LOADS says. ``cache_config`` is vLLM's, whose block
+    size the profile run reads to compile the variants ahead (``_prewarm_cache_config``; None for
+    the torch backend, which compiles nothing, or with VLLM_MLA_FUSION_PREWARM=0)."""
     attn._bound_ops = BoundOps(backend, validation.debug_enabled(), early_index_loads=EARLY_INDEX_LOADS)
     attn._prewarm_cache_config = cache_config if backend != "torch" and env_enabled(ENV_PREWARM) else None
 

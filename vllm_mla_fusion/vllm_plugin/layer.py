@@ -155,7 +155,7 @@ class FusedMultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
 
         # Op 1's bound ops live on the attention layer, where rope_kv_cache_update finds them
         # by the layer's name; backend and debug mode fixed now, as in decode mode.
-        custom_ops.bind_rope_cache_ops(self.mla_attn, backend, vllm_config.cache_config)
+        custom_ops.bind_layer_ops(self.mla_attn, backend, vllm_config.cache_config)
         self.fusion_mode = MODE_ROPE_CACHE
 
     def _setup_decode_mode(self, vllm_config, backend: str) -> None:
