@@ -48,7 +48,7 @@ OPS = {
 }
 DSV3 = dict(L=512, R=64)
 OP_NAMES = {"rope_cache_write": "op 1", "decode": "op 2", "prefill": "op 3"}
-BLOCKS = ("BLOCK_T", "BLOCK_ROWS", "BLOCK_H", "TILES", "num_warps")  # a launch configuration's blocks
+BLOCKS = ("BLOCK_T", "BLOCK_ROWS", "BLOCK_H", "num_warps")  # a launch configuration's blocks
 
 
 @dataclass
@@ -302,7 +302,7 @@ def table(results: list[dict], intro: str, columns: dict) -> str:
              "| --- " * (4 + len(columns)) + "|"]  # fmt: skip
     for r in results:
         t = r["tiles"]
-        tiles = f"{t['BLOCK_T']} / {t['BLOCK_ROWS']} / {t['BLOCK_H']}" + (f" x {t['TILES']}" if t["TILES"] != 1 else "")
+        tiles = f"{t['BLOCK_T']} / {t['BLOCK_ROWS']} / {t['BLOCK_H']}"
         cells = [r["arch"], OP_NAMES[r["op"]], r["label"], tiles, *(str(cell(r)) for cell in columns.values())]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

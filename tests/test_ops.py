@@ -281,9 +281,8 @@ def test_fp8_saturates_instead_of_overflowing(backend):
     assert torch.isfinite(case.q_out.float()).all()
 
 
-# A program may take several tiles in turn (TILES), tile i + 1's loads issued before tile i's
-# stores. The normal configurations take one; forced here, with tiles small enough that the last
-# program's tiles lie partly or wholly past the tokens.
+# Tiles forced small (2 tokens per cache program, 4 rows per query program), so that the last
+# program of each kind lies partly past the tokens.
 # (op, T, key_start, more of the case): a latent width past one 512-column step (the stores' tail
 # loops) and fp8 scales that are powers of two (the programs specialized to them) too.
 TILED_CASES = [(op, T, 0, {}) for op in OPS for T in (1, 7)] + [("prefill", 9, 3, {})] + [
@@ -293,20 +292,18 @@ TILED_IDS = [f"{op}-T{T}-s{s}" + "".join(f"-{k}" for k in kw) for op, T, s, kw i
 
 @pytest.mark.parametrize("op,T,key_start,more", TILED_CASES, ids=TILED_IDS)
 @pytest.mark.parametrize("store", ["bf16", "fp8"])
-@pytest.mark.parametrize("tiles", [2, 3])
-def test_several_tiles_per_program(op, T, key_start, more, store, tiles):
-    """Every op and store with 2 or 3 tiles per program, of 2 tokens (cache programs) and 4 rows
-    (query programs), the last program's tiles partly or wholly past the tokens: results as
-    specified, nothing else written (test_triton_launch checks the grid)."""
+def test_small_forced_tiles(op, T, key_start, more, store):
+    """Every op and store with tiles of 2 tokens (cache programs) and 4 rows (query programs), the
+    last program's tile partly past the tokens: results as specified, nothing else written
+    (test_triton_launch checks the grid)."""
     pytest.importorskip("triton")
     from vllm_mla_fusion.backends import triton as tb
 
     more = dict(more)
     if more.pop("pow2_scales", False) and store == "fp8":  # (bf16 outputs have no scale)
         more.update(scale=1.0, **({"q_scale": 2.0} if op == "decode" else {}))
-    case = _op_case(op, store, T=T, H=3, seed=100 * tiles + T, key_start=key_start, **more)
-    cfg = dict(BLOCK_T=2, BLOCK_ROWS=4, BLOCK_H=2, TILES=tiles, num_warps=4, USE_PDL=False)
-    cfg = dict(BLOCK_T=2, BLOCK_ROWS=4, BLOCK_H=2, TILES=tiles, num_warps=4, USE_PDL=False)
+    case = _op_case(op, store, T=T, H=3, seed=100 + T, key_start=key_start, **more)
+    cfg = dict(BLOCK_T=2, BLOCK_ROWS=4, BLOCK_H=2, num_warps=4, USE_PDL=False)
     with tb.forced_launch_config(cfg):
         _RUN[op](case, "triton")
 

@@ -123,9 +123,8 @@ def main():
         tried = [(dict(base), best_us)]
         row_elems = {"decode": L + R, "prefill": R, "epilogue": NOPE + R}[op]
         rows = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b * row_elems <= 32768]
-        # TILES: tiles each program takes in turn, the next one's loads before the last one's stores.
         knobs = [("BLOCK_ROWS", rows), ("BLOCK_T", [1, 2, 4, 8, 16, 32]), ("num_warps", [1, 2, 4, 8]),
-                 ("USE_PDL", [False, True]), ("TILES", [2, 4]), ("BLOCK_ROWS", rows)]  # fmt: skip
+                 ("USE_PDL", [False, True]), ("BLOCK_ROWS", rows)]  # fmt: skip
         if op == "epilogue":
             knobs.insert(2, ("BLOCK_H", [b for b in (8, 16, 32, 64, 128) if b <= triton_next_pow2(H)]))
         for knob, values in knobs:

@@ -68,22 +68,20 @@ def test_prefill_cache_programs_take_about_8k_elements(H, T, block_t, block_h):
 
 
 @pytest.mark.parametrize("op", [1, 2, 3])
-@pytest.mark.parametrize("tiles", [1, 2, 3])
 @pytest.mark.parametrize("T", [1, 5, 9])
-def test_a_program_of_several_tiles_shrinks_each_kind_of_grid(op, tiles, T):
-    """With TILES tiles per program, each kind of program (cache, query) is TILES times fewer,
-    rounded up on its own: the query programs start right after the last cache program."""
+def test_each_kind_of_grid_is_counted_in_its_own_tiles(op, T):
+    """One program per tile of each kind (cache: BLOCK_T tokens; query: BLOCK_ROWS (token, head)
+    rows), each count rounded up on its own: the query programs start right after the last cache
+    program."""
     t = _tensors(op, T)
     p = Problem(num_tokens=T, num_heads=4, kv_lora_rank=32, rope_dim=16, cache_dtype=torch.float32,
                 nope_dim=8 if op == 3 else None)  # fmt: skip
     launch = tb.bind(p, op, True, True, *t.values())
-    cfg = dict(BLOCK_T=2, BLOCK_ROWS=4, BLOCK_H=2, TILES=tiles, num_warps=4, USE_PDL=False)
+    cfg = dict(BLOCK_T=2, BLOCK_ROWS=3, BLOCK_H=2, num_warps=4, USE_PDL=False)
     with tb.forced_launch_config(cfg):
         plan = launch.plan(T)
-    cache_tiles, query_tiles = -(-T // 2), -(-T * 4 // 4)
-    assert plan.n_cache == -(-cache_tiles // tiles)
-    assert plan.grid == plan.n_cache + -(-query_tiles // tiles)
-    assert plan.constexprs["TILES"] == tiles
+    assert plan.n_cache == -(-T // 2)
+    assert plan.grid == plan.n_cache + -(-T * 4 // 3)
 
 
 def test_forced_launch_config_bypasses_the_cache():
@@ -298,7 +296,7 @@ def _kernel_params(op: int) -> list[tuple[str, bool]]:
 
 # (pointers, sizes, constexprs) of each op's entry point; after the sizes, one tuple of the data
 # tensors' strides.
-ENTRY_POINTS = {1: (8, 4, 11), 2: (11, 5, 13), 3: (10, 5, 14)}
+ENTRY_POINTS = {1: (8, 4, 10), 2: (11, 5, 12), 3: (10, 5, 13)}
 
 
 @pytest.mark.parametrize("op", [1, 2, 3])

@@ -5,12 +5,12 @@ Each op has its own entry point (``_mla_rope_cache_kernel_op1``, ``_op2``,
 body (``_mla_rope_cache``, with the ``OP`` constexpr) on it. The 1-D grid has
 two kinds of program:
 
-- *cache programs* (the first ``n_cache_programs``), each taking tiles of
+- *cache programs* (the first ``n_cache_programs``), each taking a tile of
   ``BLOCK_T`` tokens: load the position and slot, rotate ``k_pe`` (write it back in place
   for ops 1 and 3), and store ``[kv_c | rope(k_pe)]`` into the token's cache
   row unless the slot is padding or past the cache; op 3 also stores
   ``rope(k_pe)`` into the rope part of every head's key row ``k_out[t, h]``;
-- *query programs*, each taking tiles of ``BLOCK_ROWS`` (token, head) rows: ops 1 and 3
+- *query programs*, each taking a tile of ``BLOCK_ROWS`` (token, head) rows: ops 1 and 3
   rotate ``q_pe`` in place; op 2 writes ``[ql_nope | rope(q_pe)]`` into
   ``q_out``; op 3 copies ``k_nope`` into the nope part of ``k_out``.
 
@@ -36,14 +36,11 @@ data, overlapping the previous kernel's tail as K3's ops do. Either way the data
 a rotation takes is loaded before its rope-table rows, whose address waits for
 the position.
 
-A program may take several tiles in turn (``TILES``): tile i + 1's loads go out
-before tile i's stores, so that the program keeps bytes in flight while it stores
-(each kind of program is a loads helper and a stores helper; latent and nope
-columns past the first 512 are loaded by the stores helper, as they are stored).
-The launch configurations take one tile per program (docs/performance-history.md
-says which shapes more would be measured on).
+Each kind of program is a loads helper and a stores helper: all of a tile's
+loads are issued before any of its stores (latent and nope columns past the
+first 512 excepted, loaded by the stores helper as they are stored).
 
-The entry points take 24 (op 1), 30 (op 2) and 30 (op 3) parameters: the
+The entry points take 23 (op 1), 29 (op 2) and 29 (op 3) parameters: the
 pointers, the sizes, the data tensors' strides as one tuple bound with the
 layout (Triton's launchers take tuple arguments in the signature's nesting, the
 direct launch below too) and the constexprs (sizes, rotation style, tiles, PDL, the
@@ -425,7 +422,6 @@ class _Meta(NamedTuple):
     BLOCK_H: object
     USE_PDL: object
     EARLY_INDEX_LOADS: object
-    TILES: object
 
 
 @triton.jit
@@ -452,7 +448,7 @@ def _mla_rope_cache_kernel_op1(
     num_tokens, max_pos, num_slots, n_cache_programs,
     strides,  # (12,): cos/sin, q_pe, k_pe, kv_c, cache
     H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, IS_NEOX: tl.constexpr, CACHE_STORE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_ROWS: tl.constexpr, TILES: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr,
 ):  # fmt: skip
     """Op 1: q_pe and k_pe rotated in place, [kv_c | rope(k_pe)] written to the cache."""
@@ -465,7 +461,7 @@ def _mla_rope_cache_kernel_op1(
         _Sizes(num_tokens, max_pos, num_slots, 0, n_cache_programs),
         _Dims(H, L, R, 1),
         _Meta(OP_ROPE_CACHE, IS_NEOX, True, CACHE_STORE, _NO_STORE, BLOCK_T, BLOCK_ROWS, 1, USE_PDL,
-               EARLY_INDEX_LOADS, TILES),
+               EARLY_INDEX_LOADS),
     )
 
 
@@ -484,7 +480,7 @@ def _mla_rope_cache_kernel_op2(
     H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, IS_NEOX: tl.constexpr,
     NOPE_FIRST: tl.constexpr,  # q_out = [nope | rope] (else [rope | nope])
     CACHE_STORE: tl.constexpr, OUT_STORE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-    TILES: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr,
+    USE_PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr,
 ):  # fmt: skip
     """Op 2: q_out = [ql_nope | rope(q_pe)] (rounded as OUT_STORE says), the cache rows as op 1's."""
     rope, q_pe, k_pe, kv_c, cache = _op1_tensors(pos_ptr, slot_ptr, cos_sin_ptr, q_pe_ptr, k_pe_ptr, kv_c_ptr, cache_ptr,
@@ -496,7 +492,7 @@ def _mla_rope_cache_kernel_op2(
         _Sizes(num_tokens, max_pos, num_slots, key_start, n_cache_programs),
         _Dims(H, L, R, L),
         _Meta(OP_DECODE, IS_NEOX, NOPE_FIRST, CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_ROWS, 1, USE_PDL,
-               EARLY_INDEX_LOADS, TILES),
+               EARLY_INDEX_LOADS),
     )
 
 
@@ -512,7 +508,7 @@ def _mla_rope_cache_kernel_op3(
     H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, NOPE: tl.constexpr, IS_NEOX: tl.constexpr,
     CACHE_STORE: tl.constexpr, OUT_STORE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,  # heads per k_out store in a cache program
-    TILES: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr,
+    USE_PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr,
 ):  # fmt: skip
     """Op 3: op 1's work, and the attention key k_out = [k_nope | rope(k_pe)] of tokens from key_start on."""
     rope, q_pe, k_pe, kv_c, cache = _op1_tensors(pos_ptr, slot_ptr, cos_sin_ptr, q_pe_ptr, k_pe_ptr, kv_c_ptr, cache_ptr,
@@ -524,7 +520,7 @@ def _mla_rope_cache_kernel_op3(
         _Sizes(num_tokens, max_pos, num_slots, key_start, n_cache_programs),
         _Dims(H, L, R, NOPE),
         _Meta(OP_PREFILL, IS_NEOX, True, CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_ROWS, BLOCK_H, USE_PDL,
-               EARLY_INDEX_LOADS, TILES),
+               EARLY_INDEX_LOADS),
     )
 
 
@@ -541,8 +537,7 @@ def _mla_rope_cache(rope, q_pe, k_pe, kv_c, cache, nope, out, sizes, dims, meta)
     tokens per cache tile; BLOCK_ROWS, (token, head) rows per query tile; BLOCK_H, heads per
     k_out store in a cache tile (op 3); USE_PDL, launched with programmatic dependent launch
     (sm_90+); EARLY_INDEX_LOADS, with USE_PDL: positions, slots and cos/sin read before the wait
-    (BoundLaunch); TILES, the tiles each program takes in turn (of BLOCK_T tokens or BLOCK_ROWS rows:
-    the grid has TILES times fewer programs), the next one's loads before the last one's stores."""
+    (BoundLaunch)."""
     CACHE_STORE: tl.constexpr = meta.CACHE_STORE
     OUT_STORE: tl.constexpr = meta.OUT_STORE
     USE_PDL: tl.constexpr = meta.USE_PDL
@@ -572,7 +567,7 @@ def _mla_rope_cache(rope, q_pe, k_pe, kv_c, cache, nope, out, sizes, dims, meta)
 
 @triton.jit
 def _cache_program(pid, rope, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SCALE: tl.constexpr):
-    """TILES tiles of BLOCK_T tokens each (tiles pid * TILES ...): rotate k_pe (in place for ops 1
+    """A tile of BLOCK_T tokens (tile ``pid``): rotate k_pe (in place for ops 1
     and 3), write [kv_c | rope(k_pe)] at each slot in [0, num_slots); op 3 also writes rope(k_pe)
     into the key row (``key``: k_out) of every head (tokens from key_start on). ``POW2_SCALE``: the
     cache's scale is a power of two (_scale_is_pow2), which its store format then says (_pow2_scaled).
@@ -585,28 +580,23 @@ def _cache_program(pid, rope, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SC
     A tile's loads are issued before any of its stores (_cache_tile_loads, then
     _cache_tile_stores; latent columns past the first 512 excepted, loaded as they are stored):
     the compiler may not move a load above a store that could alias it, and on small batches each
-    serialized round trip to memory is a visible part of the kernel's time. With several tiles,
-    tile i + 1's loads go out before tile i's stores, so that a program keeps bytes in flight
-    while it stores.
+    serialized round trip to memory is a visible part of the kernel's time. (A program does not
+    take a second tile whose loads would overlap these stores: that doubles the registers, halves
+    the programs in flight, and measured slower at every shape tried: docs/performance-history.md,
+    optimisation log, row 28.)
     """
-    TILES: tl.constexpr = meta.TILES
-    tile = _cache_tile_loads(pid * TILES, rope, k_pe, kv_c, cache, sizes, dims, meta, POW2_SCALE, True)
-    for i in tl.static_range(1, TILES):
-        next_tile = _cache_tile_loads(pid * TILES + i, rope, k_pe, kv_c, cache, sizes, dims, meta, POW2_SCALE, False)
-        _cache_tile_stores(tile, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SCALE)
-        tile = next_tile
+    tile = _cache_tile_loads(pid, rope, k_pe, kv_c, cache, sizes, dims, meta, POW2_SCALE)
     _cache_tile_stores(tile, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SCALE)
 
 
 @triton.jit
-def _cache_tile_loads(index, rope, k_pe, kv_c, cache, sizes, dims, meta, POW2_SCALE: tl.constexpr,
-                      FIRST_TILE: tl.constexpr):  # fmt: skip
+def _cache_tile_loads(index, rope, k_pe, kv_c, cache, sizes, dims, meta, POW2_SCALE: tl.constexpr):
     """Cache tile ``index``'s loads, returned as the tile ``_cache_tile_stores`` takes.
 
     The loads that do not depend on the position (kv_c, k_pe) go out before the rope table's,
     which waits for the position to arrive; with ``EARLY_INDEX_LOADS`` the positions, slots and
-    table rows are read first, before the grid-dependency wait (the first tile's, ``FIRST_TILE``:
-    the later tiles come after it), overlapping the previous kernel's tail (BoundLaunch says when)."""
+    table rows are read first, before the grid-dependency wait, overlapping the previous kernel's
+    tail (BoundLaunch says when)."""
     L: tl.constexpr = dims.L
     R: tl.constexpr = dims.R
     IS_NEOX: tl.constexpr = meta.IS_NEOX
@@ -627,8 +617,7 @@ def _cache_tile_loads(index, rope, k_pe, kv_c, cache, sizes, dims, meta, POW2_SC
     slot = tl.load(slot_ptr + t, mask=t_mask, other=-1).to(tl.int64)
     if EARLY_INDEX_LOADS:
         cos, sin = _load_cos_sin(rope, pos, max_pos, t_mask, R, BLOCK_R2)
-        if FIRST_TILE:
-            _wait_for_inputs(USE_PDL)
+        _wait_for_inputs(USE_PDL)
     col = tl.arange(0, BLOCK_L)
     c_mask = t_mask[:, None] & (col < L)[None, :]
     c = tl.load(kv_c_ptr + t[:, None] * stride_c_t + col[None, :] * stride_c_l, mask=c_mask, other=0.0)
@@ -703,24 +692,18 @@ def _cache_tile_stores(tile, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SCA
 
 @triton.jit
 def _query_program(pid, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCALE: tl.constexpr):
-    """TILES tiles of BLOCK_ROWS (token, head) rows each (tiles pid * TILES ...) of q_pe, rotated:
+    """A tile of BLOCK_ROWS (token, head) rows of q_pe (tile ``pid``), rotated:
     in place (ops 1 and 3) or into q_out (op 2); ops 2 and 3 also copy the row's nope input into
     the output row: op 2 q_out = [ql_nope | rope(q_pe)], op 3 the k_nope part of k_out (whose rope
     part the cache programs write), for tokens from key_start on (always 0 for op 2).
-    ``POW2_SCALE``: the output's scale is a power of two, as in _cache_program. Loads and stores
-    are ordered across tiles as there."""
-    TILES: tl.constexpr = meta.TILES
-    tile = _query_tile_loads(pid * TILES, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCALE, True)
-    for i in tl.static_range(1, TILES):
-        next_tile = _query_tile_loads(pid * TILES + i, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCALE, False)
-        _query_tile_stores(tile, q_pe, nope, out, dims, meta, POW2_SCALE)
-        tile = next_tile
+    ``POW2_SCALE``: the output's scale is a power of two, as in _cache_program. Loads before
+    stores, as there."""
+    tile = _query_tile_loads(pid, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCALE)
     _query_tile_stores(tile, q_pe, nope, out, dims, meta, POW2_SCALE)
 
 
 @triton.jit
-def _query_tile_loads(index, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCALE: tl.constexpr,
-                      FIRST_TILE: tl.constexpr):  # fmt: skip
+def _query_tile_loads(index, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCALE: tl.constexpr):
     """Query tile ``index``'s loads, returned as the tile ``_query_tile_stores`` takes. As in
     _cache_tile_loads, the position-independent loads (the nope input, q_pe) go out before the
     rope table's; with ``EARLY_INDEX_LOADS``, the positions and the table rows before the
@@ -748,8 +731,7 @@ def _query_tile_loads(index, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCAL
     pos = tl.load(rope.pos_ptr + t, mask=r_mask, other=0).to(tl.int64)
     if EARLY_INDEX_LOADS:
         cos, sin = _load_cos_sin(rope, pos, max_pos, r_mask, R, BLOCK_R2)
-        if FIRST_TILE:
-            _wait_for_inputs(USE_PDL)
+        _wait_for_inputs(USE_PDL)
     if OP != OP_ROPE_CACHE:
         o_mask = r_mask & (t >= key_start)  # rows with an output row (op 2: every row)
         n_off = (t - key_start) * stride_n_t + h * stride_n_h
@@ -947,11 +929,8 @@ def _launch_config_for(p: Problem, op: int, sms: int, pdl: bool) -> dict:
     else:
         target = 4096 if op != OP_ROPE_CACHE.value or H * R >= 4096 else 2048
     block_rows = max(1, min(_pow2(max(1, target // row_elems)), 256))
-    # One tile per program: with TILES > 1 a program keeps its next tile's loads in flight while it
-    # stores, at about twice the registers (docs/performance-history.md).
-    tiles = 1
-    # Shrink while the grid (programs, not tiles) would leave most SMs idle.
-    while block_rows > 1 and _cdiv(rows, block_rows * tiles) < sms:
+    # Shrink while the grid would leave most SMs idle.
+    while block_rows > 1 and _cdiv(rows, block_rows) < sms:
         block_rows //= 2
     # Cache programs: ~4K elements for ops 1 and 2 (8 tokens of L + R = 576 at DeepSeek's sizes).
     # Op 3's tokens also store their key's rope part for every head (H * R more): there the tuner
@@ -962,15 +941,14 @@ def _launch_config_for(p: Problem, op: int, sms: int, pdl: bool) -> dict:
         block_t = min(_pow2_floor(8192 // (L + R + H * R)), 64)
     else:
         block_t = min(_pow2(max(1, 4096 // (L + R))), 64)
-    while block_t > 1 and _cdiv(p.num_tokens, block_t * tiles) < sms // 2:
+    while block_t > 1 and _cdiv(p.num_tokens, block_t) < sms // 2:
         block_t //= 2
     # Op 3's cache programs store the key's rope part for every head in tiles of ~2K elements
     # (at H=16, 4 tokens by 8 heads: the tuner's joint grid timed 8 heads as fast as 16).
     block_h = _pow2(H) if op == OP_PREFILL.value else 1
     while block_h > 1 and block_t * block_h * R > 2048:
         block_h //= 2
-    return dict(BLOCK_T=block_t, BLOCK_ROWS=block_rows, BLOCK_H=block_h, TILES=tiles,
-                num_warps=4, USE_PDL=pdl)  # fmt: skip
+    return dict(BLOCK_T=block_t, BLOCK_ROWS=block_rows, BLOCK_H=block_h, num_warps=4, USE_PDL=pdl)
 
 
 # Each op's entry point.
@@ -1080,14 +1058,12 @@ class BoundLaunch:
             return plan
         cfg = _launch_config(dataclasses.replace(self.p, num_tokens=T), self.op, self.device)
         constexprs = dict(self.base_constexprs, BLOCK_T=cfg["BLOCK_T"], BLOCK_ROWS=cfg["BLOCK_ROWS"],
-                          BLOCK_H=cfg["BLOCK_H"], TILES=cfg["TILES"],
-                          USE_PDL=cfg["USE_PDL"],
+                          BLOCK_H=cfg["BLOCK_H"], USE_PDL=cfg["USE_PDL"],
                           EARLY_INDEX_LOADS=self.early_index_loads and cfg["USE_PDL"])  # fmt: skip
         constexprs = {name: constexprs[name] for name in self.constexpr_names}
         values = tuple(constexprs.values())
-        tiles = cfg["TILES"]  # tiles per program, of either kind
-        n_cache = _cdiv(_cdiv(T, cfg["BLOCK_T"]), tiles)
-        n_query = _cdiv(_cdiv(T * self.p.num_heads, cfg["BLOCK_ROWS"]), tiles)
+        n_cache = _cdiv(T, cfg["BLOCK_T"])
+        n_query = _cdiv(T * self.p.num_heads, cfg["BLOCK_ROWS"])
         plan = _Plan(n_cache + n_query, n_cache, cfg["num_warps"], constexprs, values)
         kernel = self.kernels.get(values)
         if kernel is not None:
