@@ -7,7 +7,8 @@
 # (scripts/pack_serving_wheels.sh: uvicorn & co. for the API server, py-spy); this script installs them
 # into $SITE_DIR once. Settings (environment):
 #   SERVING_ARGS   more options of python -m benchmarks.serving (default: the dense stand-in, its loads)
-#                  e.g. "--model fp8-moe --layers 20", "--servers-per-side 3", "--prompts-scale 0.5"
+#                  e.g. "--model fp8-moe --layers 20", "--servers-per-side 3", "--prompts-scale 0.5",
+#                  "--interleave 4" (every side's server up at once, the loads in turns: one call)
 #   SERVING_SIDES  default "on off"; a baseline checkout: "on off on@.baseline" with .baseline carried, made by
 #                  mkdir -p .baseline && git archive BASE vllm_mla_fusion | tar -x -C .baseline &&
 #                  git rev-parse BASE >.baseline/COMMIT
@@ -57,7 +58,8 @@ python3 -m benchmarks.serving.host_samples unpack "$WHL_DIR" "$SITE_DIR/bin" >/d
 export PATH=$SITE_DIR/bin:$PATH
 
 resume=(--resume)
-[ "${SERVING_FRESH:-0}" = 1 ] && resume=()
+# --interleave runs every side's server within one call: nothing to continue.
+[ "${SERVING_FRESH:-0}" = 1 ] || [[ " ${SERVING_ARGS:-} " == *" --interleave "* ]] && resume=()
 # The benchmark keeps its own deadline (plans servers and loads inside it, writes a partial report when
 # late); the timeout is the backstop, and the archive below needs the last seconds.
 budget=$(( $(left) - 20 ))

@@ -4,7 +4,9 @@
 ``vllm bench serve``'s own parser and calls its ``main`` (what the ``vllm bench serve``
 command does): one import of vLLM per server instead of one per load (~15-20 s each on
 the GPU machine), started while the server starts. It waits for the driver's go-file
-(written once the server is healthy and its side confirmed), then runs the loads in order.
+(written once the server is healthy and its side confirmed), then runs the loads in order; a load
+with a ``go_file`` of its own also waits for that one (``--interleave``: the driver takes the
+servers' loads in turns).
 
 Per load it appends one line to the spec's ``progress`` file (JSON lines, so that a
 kill leaves what was done): the load, the seconds it took, the server's prefix-cache
@@ -74,6 +76,15 @@ def _compare_readings(entry: dict, before: dict, after: dict) -> None:
         entry["diagnostics_error"] = f"{type(e).__name__}: {e}"
 
 
+def _wait_for(go: Path, stop: Path, deadline: float) -> bool:
+    """Whether ``go`` appeared before the stop file or the deadline."""
+    while not go.exists():
+        if stop.exists() or time.time() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def run(spec: dict) -> int:
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -83,14 +94,17 @@ def run(spec: dict) -> int:
     progress = Path(spec["progress"])
     go, stop = Path(spec["go_file"]), Path(spec["stop_file"])
     _record(progress, {"event": "imported", "time": time.time()})
-    while not go.exists():
-        if stop.exists() or time.time() > spec["deadline"]:
-            _record(progress, {"event": "never started"})
-            return 1
-        time.sleep(0.2)
+    if not _wait_for(go, stop, spec["deadline"]):
+        _record(progress, {"event": "never started"})
+        return 1
     failures = 0
     for load in spec["loads"]:
+        if "go_file" in load and not _wait_for(Path(load["go_file"]), stop, spec["deadline"]):
+            _record(progress, {"event": "stopped", "load": load["name"]})
+            return 1
         entry = {"event": "load", "load": load["name"], "prompts": load["prompts"]}
+        if "server" in load:  # --interleave: the round's record this load belongs to
+            entry["server"] = load["server"]
         if time.time() + load["estimate_s"] > spec["deadline"]:
             entry["skipped"] = f"~{load['estimate_s']:.0f} s needed, {spec['deadline'] - time.time():.0f} s left"
             _record(progress, entry)

@@ -62,14 +62,29 @@ def comparison_pairs(sides: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
+def _paired(servers: list[dict], reference: list[dict], name: str, num_sides: int, higher: bool) -> dict | None:
+    """A side against its reference round by round (``--interleave``: record ``index`` of round ``r`` is
+    ``r * num_sides + position``): the ratio in each round both measured, its spread, and the rounds
+    in which the side was worse."""
+    ref = {s["server"] // num_sides: s.get(name) for s in reference}
+    ratios = [s[name] / ref[r] for s in servers
+              if isinstance(s.get(name), (int, float)) and isinstance(ref.get(r := s["server"] // num_sides), (int, float))
+              and ref[r]]  # fmt: skip
+    if not ratios:
+        return None
+    return dict(_spread(ratios), worse=sum(1 for x in ratios if (x < 1 if higher else x > 1)))
+
+
 def summarize(results: list[dict], sides: list[str], layers: int, prefix_cache: dict | None = None,
-              compiles: dict | None = None, hosts: dict | None = None) -> dict:  # fmt: skip
+              compiles: dict | None = None, hosts: dict | None = None, interleaved: int = 0) -> dict:  # fmt: skip
     """Per load: per side every server's figures and their spread; the comparisons; problems seen.
 
     ``prefix_cache``: (server, load) -> the server's prefix-cache token counters over that load.
     ``compiles``: (server, load) -> the kernels the server compiled during that load (server.kernel_compiles).
     ``hosts``: (server, load) -> the client's progress entry for that load (its CPU times and the
     server's own latencies, client.py), summarized by ``host_figures``.
+    ``interleaved``: the number of sides of an ``--interleave`` run, whose records are rounds; each
+    comparison then also pairs the sides round by round (``paired``, _paired).
     """
     prefix_cache, compiles, hosts = prefix_cache or {}, compiles or {}, hosts or {}
     loads: dict[str, dict] = {}
@@ -100,12 +115,15 @@ def summarize(results: list[dict], sides: list[str], layers: int, prefix_cache: 
         load["comparisons"] = []
         for a, b in comparison_pairs([s for s in sides if s in load["sides"]]):
             row = {"side": a, "against": b, "metrics": {}}
-            for name, _, _ in METRICS:
+            for name, _, higher in METRICS:
                 sa, sb = load["sides"][a]["summary"].get(name), load["sides"][b]["summary"].get(name)
                 if not sa or not sb:
                     continue
                 m = {"ratio": sa["median"] / sb["median"] if sb["median"] else None,
                      "delta": sa["median"] - sb["median"]}  # fmt: skip
+                if interleaved and (paired := _paired(load["sides"][a]["servers"], load["sides"][b]["servers"], name,
+                                                      interleaved, higher)):  # fmt: skip
+                    m["paired"] = paired
                 if layers != FULL_DEPTH and name in LATENCY_FIELDS:
                     # A per-layer change scales with depth; start-up, sampling and the API server do not.
                     m["delta_scaled_to_61_layers"] = m["delta"] * FULL_DEPTH / layers
@@ -258,6 +276,7 @@ def markdown(report: dict) -> str:
                 row += [f"{c['metrics'][field]['delta_scaled_to_61_layers']:+.2f}"
                         if "delta_scaled_to_61_layers" in c["metrics"].get(field, {}) else "-" for c in pairs]  # fmt: skip
             lines.append("| " + " | ".join(row) + " |")
+        lines += _paired_lines(pairs)
         hits = []
         for s in sides:
             fractions = [v["prefix_cache_hit_fraction"] for v in load["sides"][s]["servers"]
@@ -280,6 +299,27 @@ def markdown(report: dict) -> str:
     if report.get("errors"):
         lines += ["", "## Errors", ""] + [f"- {e}" for e in report["errors"]]
     return "\n".join(lines) + "\n"
+
+
+def _paired_lines(pairs: list[dict]) -> list[str]:
+    """The round-by-round comparison of an ``--interleave`` run (summarize's ``paired``), if any."""
+    pairs = [c for c in pairs if any("paired" in m for m in c["metrics"].values())]
+    if not pairs:
+        return []
+    rounds = max(m["paired"]["n"] for c in pairs for m in c["metrics"].values() if "paired" in m)
+    lines = ["", f"Paired by round (`--interleave`: every side's server up at once, the load run on each in turn, "
+             f"{rounds} rounds): each side against its reference within a round, median [min-max] over the "
+             "rounds, and in how many rounds it was worse:", ""]  # fmt: skip
+    header = ["metric", *[f"{c['side']} / {c['against']}" for c in pairs]]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for field, label, _ in METRICS:
+        cells = []
+        for c in pairs:
+            p = c["metrics"].get(field, {}).get("paired")
+            cells.append(f"{p['median']:.3f} [{p['min']:.3f}-{p['max']:.3f}], worse in {p['worse']} of {p['n']}"
+                         if p else "-")  # fmt: skip
+        lines.append("| " + " | ".join([label, *cells]) + " |")
+    return lines
 
 
 def _compiles_line(load: dict, sides: list[str]) -> list[str]:

@@ -11,6 +11,12 @@ code must never serve another, and a side's second server starts warm); per run
 ``state.json`` (servers done, times measured). With ``--resume`` a later call continues
 the run of the same configuration where the last one stopped, in the same alternating
 order, and reports every server of the run.
+
+With ``--interleave ROUNDS`` the servers take turns instead: one per side, all up at once on
+the shared GPU, the measured loads run ROUNDS times on each in turn (sides.interleaved_turns);
+each round of a side is a record of its own, and the report pairs the sides round by round.
+Servers started one after another meet different minutes of the host's speed, and in issue
+40's configuration that difference was as large as the one being measured.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from .loads import parse_loads, scaled_prompts
 from .plan import MIN_SCALE, PROBE_S, SPEEDS, TEARDOWN_S, Estimator, Measured, plan
 from .server import (PortTaken, Server, ServerFailed, ServerSpec, confirm_side, engine_steps, kernel_compiles,
                      notable_lines)
-from .sides import Side, parse_sides, server_order
+from .sides import Side, interleaved_turns, parse_sides, server_order
 
 REPO = Path(__file__).resolve().parents[2]
 REPORT_RESERVE_S = 20.0  # after the last server: the report, the plot, the copies
@@ -49,6 +55,9 @@ GPU_SERVER_ARGS = ["--load-format", "dummy", "--seed", "0", "--disable-uvicorn-a
 CPU_SERVER_ARGS = [*GPU_SERVER_ARGS, "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "8",
                    "--kv-cache-memory-bytes", str(64 << 20), "--attention-backend", "CPU_MLA"]  # fmt: skip
 
+
+# --interleave: the share of the GPU's memory all the servers may take together.
+GPU_MEMORY_SHARED = 0.88
 
 # Load fields added after runs were kept: run_key leaves them out where unset, so those runs resume.
 LATER_LOAD_FIELDS = ("range_ratio", "profile_steps", "profile_skip", "pyspy")
@@ -101,6 +110,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0, help="the random dataset's seed of the first load (+1 per load)")
     ap.add_argument("--start-timeout-s", type=float, default=None,
                     help="seconds a server may take to become healthy (default per model: models.START_TIMEOUT_S)")
+    ap.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                    help="one server per side, all up at once (sharing the GPU's memory); the warm-ups once per "
+                    "server, then the measured loads ROUNDS times on each in turn, the order reversed every other "
+                    "round, so that the host's speed changes fall on every side alike; the report pairs the "
+                    "sides round by round (fewer rounds where the budget is short)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and the command lines; start nothing")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
@@ -121,6 +135,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--servers-per-side and --layers must be >= 1, --prompts-scale in (0, 10]")
     if args.tensor_parallel_size < 1:
         ap.error("--tensor-parallel-size must be >= 1")
+    if args.interleave < 0:
+        ap.error("--interleave must be >= 0")
+    if args.interleave:
+        if args.resume or args.tensor_parallel_size > 1 or args.probe:
+            ap.error("--interleave runs every side's server on one GPU within one call: no --resume, "
+                     "--tensor-parallel-size or --probe")
+        if not any(ld.measured for ld in args.load_list):
+            ap.error("--interleave needs a measured load")
+        args.servers_per_side = 1
     if args.model != "tiny" and not args.cpu:
         try:  # the whole model on one GPU would fail minutes into its start; say so now
             models.check_fits(models.stand_in_config(args.model, args.layers), args.tensor_parallel_size)
@@ -155,6 +178,8 @@ def run_key(args, config: dict) -> str:
         same["tensor_parallel_size"] = args.tensor_parallel_size
     if args.probe:
         same["probe"] = True
+    if args.interleave:
+        same["interleave"] = args.interleave
     if args.config != configs.DEFAULT_CONFIGURATION:
         # Everything the configuration fixes (its max_model_len and loads are in `same` as used).
         same["configuration"] = {k: v for k, v in dataclasses.asdict(args.configuration).items()
@@ -187,6 +212,7 @@ class Benchmark:
         self.skipped: list[str] = []
         self.errors: list[str] = []
         self.profiled = any(ld.profile_steps for ld in args.load_list)
+        self.rounds = args.interleave  # --interleave: the rounds that fit (run_interleaved)
 
     # -- state ----------------------------------------------------------------------
 
@@ -235,6 +261,8 @@ class Benchmark:
             options += ["--tensor-parallel-size", str(a.tensor_parallel_size)]
         if a.probe:
             options += ["--worker-extension-cls", probe.WORKER_EXTENSION]
+        if a.interleave and not a.cpu:  # every side's server on the one GPU at once
+            options += ["--gpu-memory-utilization", f"{GPU_MEMORY_SHARED / len(a.side_list):.2f}"]
         if a.probe or self.profiled:  # the /start_profile and /stop_profile routes
             options += ["--profiler-config", json.dumps(server_profiler_config(self.trace_dir()))]
         options += [w for arg in a.server_arg for w in shlex.split(arg)]
@@ -299,6 +327,8 @@ class Benchmark:
         if not config_file.is_file() or json.loads(config_file.read_text()) != self.config:
             models.write_model_dir(self.model_dir, self.config, a.configuration.tokenizer_vocab)
         log(f"model: {self._model_description()}")
+        if a.interleave:
+            return self.run_interleaved()
         done = len(self.state["servers"])
         queue = server_order(a.side_list, a.servers_per_side, first=done)
         the_plan = plan(queue, self.left_s(), self.estimator, a.load_list, self.warm_slugs(), a.prompts_scale)
@@ -472,26 +502,10 @@ class Benchmark:
                 log(f"server {index} ({side.name}): {entry['load']} sampled by py-spy: {counts or summary}")
 
     def client_spec(self, index: int, side: Side, port: int, scale: float, server_pid: int | None = None) -> dict:
-        a = self.args
-        loads = []
-        for k, load in enumerate(a.load_list):
-            prompts = scaled_prompts(load, scale)
-            name = f"{index:02d}-{side.slug}-{load.name}"
-            metadata = {"server": index, "side": side.name, "load": load.name, "model": a.model, "layers": a.layers}
-            args = load.bench_args(
-                served_model=SERVED_MODEL, tokenizer=str(self.model_dir), port=port, seed=a.seed + k,
-                prompts=prompts, result_dir=str(self.results_dir if load.measured else self.work / "warmup"),
-                result_filename=f"{name}.json", metadata=metadata,
-                extra=tuple(w for arg in a.bench_arg for w in shlex.split(arg)),
-                backend=a.configuration.client_backend,
-            )  # fmt: skip
-            loads.append({"name": load.name, "prompts": prompts, "args": args,
-                          "estimate_s": self.estimator.load_s(load, prompts)})  # fmt: skip
-            if load.profile_steps:
-                loads[-1]["profile"] = {"prefix": step_profile.prefix(index, side.slug, load.name),
-                                        "skip": load.profile_skip, "steps": load.profile_steps}  # fmt: skip
-            if load.pyspy:
-                loads[-1]["pyspy"] = {"prefix": str(self.results_dir / f"pyspy-{name}")}
+        if self.args.interleave:
+            loads = self._interleaved_loads(index, side, port, scale)
+        else:
+            loads = [self._load_spec(index, side, k, load, port, scale) for k, load in enumerate(self.args.load_list)]
         return {
             "port": port,
             "server_pid": server_pid,
@@ -502,6 +516,161 @@ class Benchmark:
             "progress": str(self.logs_dir / f"progress-{index:02d}.jsonl"),
             "server_log": str(self.server_log_path(index, side)),
         }
+
+    def _interleaved_loads(self, position: int, side: Side, port: int, scale: float) -> list[dict]:
+        """The loads of the server at ``position`` under --interleave: its warm-ups, then each round's
+        measured loads, named for the round's record (index ``round * sides + position``). Each waits
+        for its turn (``go_file``, written by _take_turn); a load keeps its seed in every round, so
+        every side and round gets the same requests."""
+        a = self.args
+        before, measured, after = self._interleaved_phases()
+        loads = [dict(self._load_spec(position, side, k, a.load_list[k], port, scale), server=position) for k in before]
+        for r in range(self.rounds):
+            index = r * len(a.side_list) + position
+            loads += [dict(self._load_spec(index, side, k, a.load_list[k], port, scale), server=index) for k in measured]
+        loads += [dict(self._load_spec(position, side, k, a.load_list[k], port, scale), server=position) for k in after]
+        for j, ld in enumerate(loads):
+            ld["go_file"] = str(self.work / f"go-{position:02d}-{j:03d}")
+        return loads
+
+    def _interleaved_phases(self) -> tuple[list[int], list[int], list[int]]:
+        """Positions in --loads of the loads run once per server before the rounds (the unmeasured
+        ones ahead of the first measured load: warm-ups), in every round (the measured ones), and
+        once after them (unmeasured ones after a measured load: a profiled or sampled load)."""
+        loads = self.args.load_list
+        first = next(k for k, ld in enumerate(loads) if ld.measured)
+        measured = [k for k, ld in enumerate(loads) if ld.measured]
+        return ([k for k in range(first) if not loads[k].measured], measured,
+                [k for k in range(first, len(loads)) if not loads[k].measured])
+
+    def _fit_rounds(self) -> int:
+        """The rounds of --interleave that fit the time left (at most those asked for)."""
+        a = self.args
+        warm = self.warm_slugs()
+        before, measured, after = self._interleaved_phases()
+
+        def loads_s(positions):
+            return sum(self.estimator.load_s(a.load_list[k], scaled_prompts(a.load_list[k], a.prompts_scale))
+                       for k in positions)  # fmt: skip
+
+        n = len(a.side_list)
+        fixed = sum(self.estimator.start_s(s.slug, s.slug in warm) + TEARDOWN_S for s in a.side_list)
+        fixed += n * (loads_s(before) + loads_s(after))
+        return max(0, min(a.interleave, int((self.left_s() - fixed) // (n * loads_s(measured)))))
+
+    def run_interleaved(self) -> int:
+        """--interleave: one server per side, all started and confirmed first, then every load in turns
+        (_take_turn): each server's warm-ups, the rounds (sides.interleaved_turns), the loads after
+        them; every server stopped, whatever happens; each round of a side a record of its own."""
+        a = self.args
+        sides, n = a.side_list, len(a.side_list)
+        self.rounds = self._fit_rounds()
+        before, measured, after = self._interleaved_phases()
+        turns = [(p, j) for p in range(n) for j in range(len(before))]
+        turns += [(p, len(before) + r * len(measured) + m) for r, p in interleaved_turns(n, self.rounds)
+                  for m in range(len(measured))]  # fmt: skip
+        turns += [(p, len(before) + self.rounds * len(measured) + m) for p in range(n) for m in range(len(after))]
+        self.state["plan"] = {"interleave": self.rounds, "asked": a.interleave, "servers": [s.name for s in sides],
+                              "turns": [(p, j) for p, j in turns]}  # fmt: skip
+        log(f"plan: {json.dumps(self.state['plan'])}")
+        if self.rounds < a.interleave:
+            self.skipped.append(f"--interleave {a.interleave}: {self.rounds} round(s) fit the time left")
+        if a.dry_run:
+            spec = self.server_spec()
+            for p, side in enumerate(sides):
+                print(f"server {p} ({side.name}): {shlex.join([*spec.launcher, spec.model_dir, *spec.args])}")
+            for p, j in turns:
+                load = self.client_spec(p, sides[p], 8000, a.prompts_scale)["loads"][j]
+                print(f"turn: server {p} ({sides[p].name}) {load['name']} as record {load['server']}")
+            return 0
+        if not self.rounds:
+            self.errors.append(f"--interleave: not one round fits the {self.left_s():.0f} s left")
+            self._save_state()
+            self.write_report()
+            return 4
+        status, running = 0, []
+        warm = self.warm_slugs()
+        try:
+            for p, side in enumerate(sides):
+                record = {"index": p, "side": side.name, "slug": side.slug, "warm_cache": side.slug in warm,
+                          "prompts_scale": a.prompts_scale, "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                          "plugin_origin": self.plugin_origin(side) if side.plugin else None}  # fmt: skip
+                self.cache_dir(side).mkdir(parents=True, exist_ok=True)
+                server, client = self._start(p, side, side.slug in warm, a.prompts_scale, record)
+                running.append((server, client, record))
+                record["plugin"] = confirm_side(side, server.log(), a.tensor_parallel_size)
+                (self.work / f"go-{p:02d}").touch()
+            for p, j in turns:
+                self._take_turn(p, j, running[p][1])
+        except ServerFailed as e:
+            self.errors.append(f"--interleave: {e}"[:4000])
+            status = 3
+        finally:  # also when the driver is ended (SIGTERM): no server outlives it, what was measured is reported
+            for p, (server, client, record) in enumerate(running):
+                self._stop_client(client, p)
+                record["log_lines"] = notable_lines(server.log())
+                record["teardown_s"] = server.stop()
+                self.state["servers"] += self._round_records(p, sides[p], record)
+            self._save_state()
+            summary = self.write_report()
+        if summary["problems"] or any("error" in r for r in self.state["servers"]):
+            status = status or 1
+        return status
+
+    def _take_turn(self, position: int, j: int, client: subprocess.Popen) -> None:
+        """Let the client of server ``position`` run its ``j``-th load; return once it recorded it (or
+        exited, or the deadline passed)."""
+        (self.work / f"go-{position:02d}-{j:03d}").touch()
+        progress = self.logs_dir / f"progress-{position:02d}.jsonl"
+        while client.poll() is None and time.time() < self.deadline:
+            if progress.is_file() and progress.read_text().count('"event": "load"') > j:
+                return
+            time.sleep(0.1)
+
+    def _round_records(self, position: int, side: Side, record: dict) -> list[dict]:
+        """The server at ``position``'s loads split into its rounds' records (by the ``server`` index its
+        client recorded with each load); the first round's record is the server's own."""
+        loads = self.read_progress(position, side)
+        attribute_server_log(loads, self.server_log_path(position, side))
+        records = []
+        for r in range(max(self.rounds, 1)):
+            index = r * len(self.args.side_list) + position
+            rec = record if r == 0 else {k: record[k] for k in ("side", "slug", "prompts_scale", "started_utc",
+                                                                "plugin_origin", "plugin", "port") if k in record}  # fmt: skip
+            rec.update(index=index, interleaved={"server": position, "round": r},
+                       loads=[e for e in loads if e.get("server", position) == index])  # fmt: skip
+            self.read_profiles(index, side, rec["loads"])
+            self.read_host_samples(index, side, rec["loads"])
+            for entry in rec["loads"]:
+                if "error" in entry:
+                    rec.setdefault("error", f"load {entry['load']}: {entry['error']}")
+                    self.errors.append(f"record {index} ({side.name}) load {entry['load']}: {entry['error']}")
+                if "skipped" in entry:
+                    self.skipped.append(f"record {index} ({side.name}) load {entry['load']}: {entry['skipped']}")
+            records.append(rec)
+        return records
+
+    def _load_spec(self, index: int, side: Side, k: int, load, port: int, scale: float) -> dict:
+        """One load of one server's client: ``vllm bench serve``'s arguments (result file named for
+        ``index``, the load's seed the ``k``-th), its estimate, and what to profile or sample."""
+        a = self.args
+        prompts = scaled_prompts(load, scale)
+        name = f"{index:02d}-{side.slug}-{load.name}"
+        metadata = {"server": index, "side": side.name, "load": load.name, "model": a.model, "layers": a.layers}
+        args = load.bench_args(
+            served_model=SERVED_MODEL, tokenizer=str(self.model_dir), port=port, seed=a.seed + k,
+            prompts=prompts, result_dir=str(self.results_dir if load.measured else self.work / "warmup"),
+            result_filename=f"{name}.json", metadata=metadata,
+            extra=tuple(w for arg in a.bench_arg for w in shlex.split(arg)),
+            backend=a.configuration.client_backend,
+        )  # fmt: skip
+        spec = {"name": load.name, "prompts": prompts, "args": args, "estimate_s": self.estimator.load_s(load, prompts)}
+        if load.profile_steps:
+            spec["profile"] = {"prefix": step_profile.prefix(index, side.slug, load.name),
+                               "skip": load.profile_skip, "steps": load.profile_steps}  # fmt: skip
+        if load.pyspy:
+            spec["pyspy"] = {"prefix": str(self.results_dir / f"pyspy-{name}")}
+        return spec
 
     def server_log_path(self, index: int, side: Side) -> Path:
         return self.logs_dir / f"server-{index:02d}-{side.slug}.log"
@@ -592,6 +761,7 @@ class Benchmark:
             "config": {
                 "model": a.model, "layers": a.layers, "model_description": self._model_description(),
                 "model_config": self.config, "sides": sides, "servers_per_side": a.servers_per_side,
+                "interleave": self.rounds if a.interleave else None,
                 "loads": {ld.name: ld.describe() for ld in a.load_list if ld.measured},
                 "server_command": shlex.join([*self.server_spec().launcher, "MODEL", *self.server_spec().args]),
                 "server_summary": "CPU platform, demo.serve" if a.cpu else "dummy weights",
@@ -606,7 +776,7 @@ class Benchmark:
             "servers_measured": sum(1 for s in servers if s.get("loads")),
             "servers_per_side_measured": {n: sum(1 for s in servers if s["side"] == n and s.get("loads")) for n in sides},
             "loads": report.summarize(report.read_results(self.results_dir), sides, a.layers, prefix_cache, compiles,
-                                      hosts),
+                                      hosts, interleaved=len(sides) if a.interleave else 0),
             "probe": self.probe_summary() if a.probe else None,
             "step_profile": step_profile.compare_sides(servers) if self.profiled else None,
             "host_samples": host_samples.compare_sides(servers) if any(ld.pyspy for ld in a.load_list) else None,

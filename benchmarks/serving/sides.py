@@ -138,3 +138,14 @@ def side_of_server(sides: list[Side], index: int) -> Side:
 def server_order(sides: list[Side], servers_per_side: int, first: int = 0) -> list[tuple[int, Side]]:
     """(index, side) of the servers ``first`` .. the last one of ``servers_per_side`` rounds."""
     return [(i, side_of_server(sides, i)) for i in range(first, servers_per_side * len(sides))]
+
+
+def interleaved_turns(num_sides: int, rounds: int) -> list[tuple[int, int]]:
+    """(round, side position) of every measured turn of ``--interleave``: each side's server once per
+    round, the order reversed every other round (A B, B A, A B, ...), so that a drift of the host's
+    speed over the run falls on every side alike; within a round the sides meet the same minutes."""
+    turns = []
+    for r in range(rounds):
+        order = range(num_sides) if r % 2 == 0 else range(num_sides - 1, -1, -1)
+        turns += [(r, position) for position in order]
+    return turns

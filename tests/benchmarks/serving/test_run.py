@@ -347,3 +347,88 @@ def test_a_failing_diagnostic_never_costs_a_load_its_entry(monkeypatch):
     client._compare_readings(entry, before, after)
     assert entry == {"load": "rate16", "server_log_bytes": [10, 20], "client_cpu_s": 1.5,
                      "diagnostics_error": "RuntimeError: psutil went away"}  # fmt: skip
+
+
+# --- --interleave: every side's server up at once, the loads in turns ----------------------------
+
+FAKE_CLIENT = Path(__file__).with_name("fake_client.py")
+INTERLEAVED = ["--model", "tiny", "--cpu", "--no-plot", "--budget-s", "300", "--server-launcher", f"{sys.executable} {FAKE}",
+               "--loads", "name=warm,in=8,out=2,rate=inf,prompts=2,warmup=1", "name=few,in=8,out=2,rate=inf,prompts=2"]  # fmt: skip
+
+
+def _fake_clients(monkeypatch, tmp_path):
+    """Clients replaced by fake_client.py (the go-file protocol, no vLLM); returns the turns file."""
+    turns = tmp_path / "turns.log"
+    monkeypatch.setenv("FAKE_CLIENT_TURNS", str(turns))
+
+    def start_client(self, index, side, port, scale, server_pid=None):
+        spec = self.client_spec(index, side, port, scale, server_pid)
+        for name in ("go_file", "stop_file", "progress"):
+            Path(spec[name]).unlink(missing_ok=True)
+        path = self.logs_dir / f"client-{index:02d}.json"
+        path.write_text(json.dumps(spec))
+        return run.subprocess.Popen([sys.executable, str(FAKE_CLIENT), str(path)], env=dict(os.environ),
+                                    start_new_session=True)  # fmt: skip
+
+    monkeypatch.setattr(run.Benchmark, "start_client", start_client)
+    return turns
+
+
+def test_interleaved_servers_take_turns_and_the_report_pairs_the_rounds(tmp_path, monkeypatch):
+    """Both servers up at once: each one's warm-up first, then the measured load in rounds whose order
+    reverses (on off, off on, on off); each round of a side is a record; the pairing round by round
+    reads the plugin's fixed factor (1.1) where the medians over rounds mix it with the host's drift."""
+    turns = _fake_clients(monkeypatch, tmp_path)
+    assert run.main(["--out", str(tmp_path), "--interleave", "3", *INTERLEAVED]) == 0
+    lines = turns.read_text().split()
+    ports = lines[0::3]
+    order = [(p, int(rec), name) for p, rec, name in zip(ports, lines[1::3], lines[2::3])]
+    on_port, off_port = order[0][0], order[1][0]
+    assert [(p == on_port, rec, name) for p, rec, name in order] == [
+        (True, 0, "warm"), (False, 1, "warm"),
+        (True, 0, "few"), (False, 1, "few"),  # round 0: on, off
+        (False, 3, "few"), (True, 2, "few"),  # round 1: off, on
+        (True, 4, "few"), (False, 5, "few"),  # round 2: on, off
+    ]  # fmt: skip
+    data = json.loads((tmp_path / "serving_tiny.json").read_text())
+    assert data["config"]["interleave"] == 3
+    assert [(s["index"], s["side"], s["interleaved"]["round"]) for s in data["servers"]] == [
+        (0, "on", 0), (2, "on", 1), (4, "on", 2), (1, "off", 0), (3, "off", 1), (5, "off", 2)]  # fmt: skip
+    assert [e["load"] for e in data["servers"][0]["loads"]] == ["warm", "few"]
+    assert all([e["load"] for e in s["loads"]] == ["few"] for s in data["servers"][1:] if s["index"] > 1)
+    ttft = data["loads"]["few"]["comparisons"][0]["metrics"]["median_ttft_ms"]
+    assert ttft["ratio"] == pytest.approx(1.1)
+    assert ttft["paired"]["median"] == pytest.approx(1.1) and ttft["paired"]["min"] == pytest.approx(1.1)
+    assert (ttft["paired"]["n"], ttft["paired"]["worse"]) == (3, 3)
+    assert "Paired by round" in (tmp_path / "serving_tiny.md").read_text()
+
+
+def test_interleave_options(tmp_path, capsys):
+    a = run.parse_args(["--out", str(tmp_path), "--interleave", "4", "--layers", "4"])
+    assert a.servers_per_side == 1
+    bench = run.Benchmark(a)
+    options = bench.server_spec().args
+    assert options[options.index("--gpu-memory-utilization") + 1] == "0.44"  # two sides share the GPU
+    assert "--gpu-memory-utilization" not in run.Benchmark(run.parse_args(["--out", str(tmp_path), "--layers", "4"])).server_spec().args
+    assert bench.key != run.Benchmark(run.parse_args(["--out", str(tmp_path), "--layers", "4", "--servers-per-side", "1"])).key
+    for bad in (["--resume"], ["--probe"], ["--tensor-parallel-size", "2"]):
+        with pytest.raises(SystemExit):
+            run.parse_args(["--out", str(tmp_path), "--interleave", "2", *bad])
+    with pytest.raises(SystemExit):
+        run.parse_args(["--out", str(tmp_path), "--interleave", "2", "--loads", "warmup"])  # nothing measured
+    with pytest.raises(SystemExit):
+        run.parse_args(["--out", str(tmp_path), "--interleave", "-1"])
+
+
+def test_interleave_fits_its_rounds_to_the_budget(tmp_path, capsys):
+    """Fewer rounds where the time left is short (said in the report); the dry run prints every turn."""
+    argv = ["--out", str(tmp_path), "--interleave", "50", "--config", "seqs128", "--layers", "4", "--dry-run",
+            "--budget-s", "900"]  # fmt: skip
+    assert run.main(argv) == 0
+    turns = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("turn:")]
+    bench = run.Benchmark(run.parse_args(argv))
+    rounds = bench._fit_rounds()
+    assert 1 <= rounds < 50
+    # warm1k once per server, then rate16 and saturate on each side in every round
+    assert len(turns) == 2 + rounds * 2 * 2
+    assert turns[2].startswith("turn: server 0 (on) rate16 as record 0") and turns[6].startswith("turn: server 1 (off)")
