@@ -59,7 +59,7 @@ export PATH=$SITE_DIR/bin:$PATH
 
 resume=(--resume)
 # --interleave runs every side's server within one call: nothing to continue.
-[ "${SERVING_FRESH:-0}" = 1 ] || [[ " ${SERVING_ARGS:-} " == *" --interleave "* ]] && resume=()
+[ "${SERVING_FRESH:-0}" = 1 ] || [[ " ${SERVING_ARGS:-} " == *" --interleave"[=\ ]* ]] && resume=()
 # The benchmark keeps its own deadline (plans servers and loads inside it, writes a partial report when
 # late); the timeout is the backstop, and the archive below needs the last seconds.
 budget=$(( $(left) - 20 ))

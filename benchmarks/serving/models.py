@@ -122,13 +122,15 @@ H200_GIB = 139.0  # what torch sees of an H200's memory
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of it
 
 
-def check_fits(config: dict, tensor_parallel_size: int, gpu_gib: float = H200_GIB) -> float:
-    """GiB of weights per rank; ValueError when they leave less than a tenth of vLLM's share for the KV cache."""
+def check_fits(config: dict, tensor_parallel_size: int, gpu_gib: float = H200_GIB,
+               share: float = GPU_MEMORY_UTILIZATION) -> float:  # fmt: skip
+    """GiB of weights per rank; ValueError when they leave less than a tenth of the server's share of
+    the GPU (``share``: vLLM's default, or less where servers share it) for the KV cache."""
     per_rank = sum(weight_bytes(config, tensor_parallel_size).values()) / 2**30
-    usable = GPU_MEMORY_UTILIZATION * gpu_gib
+    usable = share * gpu_gib
     if per_rank > 0.9 * usable:
         raise ValueError(f"{per_rank:.1f} GiB of weights per rank at tensor-parallel size {tensor_parallel_size} "
-                         f"leave too little of {usable:.0f} GiB (0.9 x {gpu_gib:.0f}) for the KV cache")  # fmt: skip
+                         f"leave too little of {usable:.0f} GiB ({share:.2f} x {gpu_gib:.0f}) for the KV cache")  # fmt: skip
     return per_rank
 
 

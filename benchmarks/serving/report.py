@@ -255,6 +255,11 @@ def markdown(report: dict) -> str:
         "Each cell: the median over the side's servers [min-max over servers].",
     ]  # fmt: skip
     lines += _configuration_lines(cfg)
+    if cfg.get("interleave"):
+        lines.append(f"\n**Interleaved** (`--interleave`): one server per side, all up at once; the measured loads in "
+                     f"{cfg['interleave']} rounds, one server loaded at a time, the order reversed every other round. "
+                     "Each \"server\" below is a round of a side (index round x sides + position): the cells are "
+                     "medians over rounds, and the sides are also paired round by round.")  # fmt: skip
     if cfg["layers"] != FULL_DEPTH:
         lines.append(f"\n**{cfg['layers']} of DeepSeek-V3's 61 layers**: the deltas scaled by 61/{cfg['layers']} "
                      "(a per-layer change; start-up, sampling and the API server do not scale) are in the JSON "

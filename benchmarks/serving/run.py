@@ -135,8 +135,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--servers-per-side and --layers must be >= 1, --prompts-scale in (0, 10]")
     if args.tensor_parallel_size < 1:
         ap.error("--tensor-parallel-size must be >= 1")
-    if args.interleave < 0:
-        ap.error("--interleave must be >= 0")
     if args.interleave:
         if args.resume or args.tensor_parallel_size > 1 or args.probe:
             ap.error("--interleave runs every side's server on one GPU within one call: no --resume, "
@@ -144,9 +142,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not any(ld.measured for ld in args.load_list):
             ap.error("--interleave needs a measured load")
         args.servers_per_side = 1
+    if args.interleave < 0:
+        ap.error("--interleave must be >= 0")
+    share = GPU_MEMORY_SHARED / len(args.side_list) if args.interleave else models.GPU_MEMORY_UTILIZATION
     if args.model != "tiny" and not args.cpu:
-        try:  # the whole model on one GPU would fail minutes into its start; say so now
-            models.check_fits(models.stand_in_config(args.model, args.layers), args.tensor_parallel_size)
+        try:  # the whole model on one GPU (or its share of it) would fail minutes into its start; say so now
+            models.check_fits(models.stand_in_config(args.model, args.layers), args.tensor_parallel_size, share=share)
         except ValueError as e:
             ap.error(f"--model {args.model}: {e}")
     args.work_dir = args.work_dir or args.out / "work"
@@ -520,14 +521,16 @@ class Benchmark:
     def _interleaved_loads(self, position: int, side: Side, port: int, scale: float) -> list[dict]:
         """The loads of the server at ``position`` under --interleave: its warm-ups, then each round's
         measured loads, named for the round's record (index ``round * sides + position``). Each waits
-        for its turn (``go_file``, written by _take_turn); a load keeps its seed in every round, so
-        every side and round gets the same requests."""
+        for its turn (``go_file``, written by _take_turn); within a round every side gets the same
+        requests, each round new ones."""
         a = self.args
         before, measured, after = self._interleaved_phases()
         loads = [dict(self._load_spec(position, side, k, a.load_list[k], port, scale), server=position) for k in before]
         for r in range(self.rounds):
             index = r * len(a.side_list) + position
-            loads += [dict(self._load_spec(index, side, k, a.load_list[k], port, scale), server=index) for k in measured]
+            # Each round its own prompts (the same on every side): a prefix cache never serves a later round.
+            loads += [dict(self._load_spec(index, side, k, a.load_list[k], port, scale, r * len(a.load_list)),
+                           server=index) for k in measured]  # fmt: skip
         loads += [dict(self._load_spec(position, side, k, a.load_list[k], port, scale), server=position) for k in after]
         for j, ld in enumerate(loads):
             ld["go_file"] = str(self.work / f"go-{position:02d}-{j:03d}")
@@ -578,7 +581,9 @@ class Benchmark:
         if a.dry_run:
             spec = self.server_spec()
             for p, side in enumerate(sides):
-                print(f"server {p} ({side.name}): {shlex.join([*spec.launcher, spec.model_dir, *spec.args])}")
+                env = {k: v for k, v in self.side_env(side).items() if k.startswith("VLLM_") or k == "PYTHONPATH"}
+                print(f"server {p} ({side.name}): {' '.join(f'{k}={v}' for k, v in sorted(env.items()))} "
+                      f"{shlex.join([*spec.launcher, spec.model_dir, *spec.args])}")  # fmt: skip
             for p, j in turns:
                 load = self.client_spec(p, sides[p], 8000, a.prompts_scale)["loads"][j]
                 print(f"turn: server {p} ({sides[p].name}) {load['name']} as record {load['server']}")
@@ -588,6 +593,8 @@ class Benchmark:
             self._save_state()
             self.write_report()
             return 4
+        for stale in self.work.glob("go-*"):  # an earlier run's turns, in this run's directory
+            stale.unlink()
         status, running = 0, []
         warm = self.warm_slugs()
         try:
@@ -602,15 +609,22 @@ class Benchmark:
                 (self.work / f"go-{p:02d}").touch()
             for p, j in turns:
                 self._take_turn(p, j, running[p][1])
-        except ServerFailed as e:
+        except (ServerFailed, SideMismatch) as e:
             self.errors.append(f"--interleave: {e}"[:4000])
             status = 3
         finally:  # also when the driver is ended (SIGTERM): no server outlives it, what was measured is reported
             for p, (server, client, record) in enumerate(running):
-                self._stop_client(client, p)
-                record["log_lines"] = notable_lines(server.log())
-                record["teardown_s"] = server.stop()
-                self.state["servers"] += self._round_records(p, sides[p], record)
+                try:
+                    self._stop_client(client, p)
+                finally:
+                    record["log_lines"] = notable_lines(server.log())
+                    record["teardown_s"] = server.stop()
+            for p, (_, _, record) in enumerate(running):
+                try:
+                    self.state["servers"] += self._round_records(p, sides[p], record)
+                except Exception as e:  # noqa: BLE001 - the other servers' records and the report still come
+                    self.errors.append(f"server {p} ({sides[p].name}): its records: {type(e).__name__}: {e}")
+                    self.state["servers"].append(record)
             self._save_state()
             summary = self.write_report()
         if summary["problems"] or any("error" in r for r in self.state["servers"]):
@@ -650,15 +664,16 @@ class Benchmark:
             records.append(rec)
         return records
 
-    def _load_spec(self, index: int, side: Side, k: int, load, port: int, scale: float) -> dict:
+    def _load_spec(self, index: int, side: Side, k: int, load, port: int, scale: float, seed_offset: int = 0) -> dict:
         """One load of one server's client: ``vllm bench serve``'s arguments (result file named for
-        ``index``, the load's seed the ``k``-th), its estimate, and what to profile or sample."""
+        ``index``, the load's seed the ``k``-th, plus ``seed_offset``), its estimate, and what to
+        profile or sample."""
         a = self.args
         prompts = scaled_prompts(load, scale)
         name = f"{index:02d}-{side.slug}-{load.name}"
         metadata = {"server": index, "side": side.name, "load": load.name, "model": a.model, "layers": a.layers}
         args = load.bench_args(
-            served_model=SERVED_MODEL, tokenizer=str(self.model_dir), port=port, seed=a.seed + k,
+            served_model=SERVED_MODEL, tokenizer=str(self.model_dir), port=port, seed=a.seed + k + seed_offset,
             prompts=prompts, result_dir=str(self.results_dir if load.measured else self.work / "warmup"),
             result_filename=f"{name}.json", metadata=metadata,
             extra=tuple(w for arg in a.bench_arg for w in shlex.split(arg)),
@@ -705,7 +720,7 @@ class Benchmark:
         loads = [e for e in entries if e.get("event") == "load"]
         by_name = {ld.name: ld for ld in self.args.load_list}
         for entry in loads:
-            result = self.results_dir / f"{index:02d}-{side.slug}-{entry['load']}.json"
+            result = self.results_dir / f"{entry.get('server', index):02d}-{side.slug}-{entry['load']}.json"
             if "wall_s" in entry and "error" not in entry and entry["load"] in by_name:
                 duration = _json_field(result, "duration") if by_name[entry["load"]].measured else None
                 self.measured.add_load(by_name[entry["load"]], entry["prompts"], duration or entry["wall_s"])

@@ -401,6 +401,18 @@ def test_interleaved_servers_take_turns_and_the_report_pairs_the_rounds(tmp_path
     assert ttft["paired"]["median"] == pytest.approx(1.1) and ttft["paired"]["min"] == pytest.approx(1.1)
     assert (ttft["paired"]["n"], ttft["paired"]["worse"]) == (3, 3)
     assert "Paired by round" in (tmp_path / "serving_tiny.md").read_text()
+    # Each round its own requests, the same on both sides (no prefix-cache hit across rounds)
+    seeds = {}
+    for position in (0, 1):
+        spec = json.loads(next((tmp_path / "work" / "runs").glob("*/logs")).joinpath(f"client-{position:02d}.json").read_text())
+        for ld in spec["loads"][1:]:
+            seeds[ld["server"]] = ld["args"][ld["args"].index("--seed") + 1]
+    assert seeds[0] == seeds[1] != seeds[2] == seeds[3] != seeds[4] == seeds[5] and seeds[0] != seeds[4]
+    # Run again in the same directory: the earlier run's turn files must not let the loads go at once
+    turns.unlink()
+    assert run.main(["--out", str(tmp_path), "--interleave", "3", *INTERLEAVED]) == 0
+    again = turns.read_text().split()
+    assert [int(rec) for rec in again[1::3]] == [0, 1, 0, 1, 3, 2, 4, 5]
 
 
 def test_interleave_options(tmp_path, capsys):
