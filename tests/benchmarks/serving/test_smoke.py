@@ -116,3 +116,26 @@ def test_the_profiled_load_recorded_its_steps_through_vllms_own_routes(smoke):
         assert all(k["host_us_p50"] > 0 for k in p["kinds"].values())
     assert (out / "serving_tiny_raw" / "results" / "step-profile-00-on-prof.json").is_file()
     assert "profiled load `prof`" in (out / "serving_tiny.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def interleaved(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serving_interleaved")
+    status = run.main(["--out", str(out), "--cpu", "--model", "tiny", "--interleave", "2", "--budget-s", "600",
+                       "--loads", LOADS[0], LOADS[2]])  # fmt: skip
+    return status, json.loads((out / "serving_tiny.json").read_text())
+
+
+def test_interleaved_servers_for_real(interleaved):
+    """--interleave against demo servers with vLLM's own client: both servers up together, the warm-up
+    once each, the paced load in two rounds on each in turn; every round a record holding vLLM's
+    result file, and the sides paired round by round."""
+    status, data = interleaved
+    assert status == 0, (data["errors"], data["problems"], data["skipped"])
+    assert data["config"]["interleave"] == 2
+    assert [(s["index"], s["side"], [e["load"] for e in s["loads"]]) for s in data["servers"]] == [
+        (0, "on", ["warm", "paced"]), (2, "on", ["paced"]), (1, "off", ["warm", "paced"]), (3, "off", ["paced"])]  # fmt: skip
+    assert all("error" not in e and e["server_cpu_s"]["api_server"] > 0 for s in data["servers"] for e in s["loads"])
+    paced = data["loads"]["paced"]
+    assert {side: sorted(v["server"] for v in s["servers"]) for side, s in paced["sides"].items()} == {"on": [0, 2], "off": [1, 3]}
+    assert paced["comparisons"][0]["metrics"]["median_ttft_ms"]["paired"]["n"] == 2
