@@ -616,9 +616,10 @@ class Benchmark:
             for p, (server, client, record) in enumerate(running):
                 try:
                     self._stop_client(client, p)
-                finally:
-                    record["log_lines"] = notable_lines(server.log())
-                    record["teardown_s"] = server.stop()
+                except Exception as e:  # noqa: BLE001 - every server is still stopped
+                    self.errors.append(f"server {p} ({sides[p].name}): its client did not stop: {type(e).__name__}: {e}")
+                record["log_lines"] = notable_lines(server.log())
+                record["teardown_s"] = server.stop()
             for p, (_, _, record) in enumerate(running):
                 try:
                     self.state["servers"] += self._round_records(p, sides[p], record)
