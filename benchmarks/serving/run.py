@@ -628,7 +628,7 @@ class Benchmark:
                     self.state["servers"].append(record)
             self._save_state()
             summary = self.write_report()
-        if summary["problems"] or any("error" in r for r in self.state["servers"]):
+        if summary["problems"] or self.errors:
             status = status or 1
         return status
 

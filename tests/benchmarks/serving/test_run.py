@@ -444,3 +444,22 @@ def test_interleave_fits_its_rounds_to_the_budget(tmp_path, capsys):
     # warm1k once per server, then rate16 and saturate on each side in every round
     assert len(turns) == 2 + rounds * 2 * 2
     assert turns[2].startswith("turn: server 0 (on) rate16 as record 0") and turns[6].startswith("turn: server 1 (off)")
+
+
+def test_interleave_stops_every_server_and_reports_when_one_records_fail(tmp_path, monkeypatch):
+    """A failure while the first server's records are built (here: reading its host samples) costs
+    that server its rounds' records, not the other server's stop, records or the report."""
+    _fake_clients(monkeypatch, tmp_path)
+    calls = []
+
+    def failing(self, index, side, loads):
+        calls.append(index)
+        if index == 0:
+            raise ValueError("unreadable samples")
+
+    monkeypatch.setattr(run.Benchmark, "read_host_samples", failing)
+    assert run.main(["--out", str(tmp_path), "--interleave", "2", *INTERLEAVED]) == 1
+    data = json.loads((tmp_path / "serving_tiny.json").read_text())
+    assert any("its records: ValueError: unreadable samples" in e for e in data["errors"])
+    assert all(s.get("teardown_s") is not None for s in data["servers"] if s["index"] in (0, 1))
+    assert sorted(s["index"] for s in data["servers"]) == [0, 1, 3]  # server 1's rounds (1, 3) kept
