@@ -19,7 +19,7 @@ calls the site, which only computes the grid for ``T`` and launches. A call whos
 differs in anything validation looks at is validated again: the reuse rule is "same
 layout, same validation result", never "same layer".
 
-The public ops (ops.py) and the vLLM plugin (one BoundOp per layer and op) share this
+The public ops (ops.py) and the vLLM plugin (one BoundOp per op for all its layers) share this
 path; the plugin never reads the environment or re-validates per step.
 
 ``early_index_loads`` is a promise of the caller's, made when it builds its ops: *no kernel that
@@ -192,9 +192,9 @@ class BoundOp:
 
 
 class BoundOps:
-    """The BoundOps of one owner (a vLLM layer, a module), made on first use per flag set, all
-    with the same backend, debug mode and ``early_index_loads`` promise (module docstring),
-    fixed when the owner is built."""
+    """The BoundOps of one owner (the vLLM plugin's layers, the public ops, a module), made on first
+    use per flag set, all with the same backend, debug mode and ``early_index_loads`` promise
+    (module docstring), fixed when the owner is built."""
 
     def __init__(self, backend: str = "auto", debug: bool = False, early_index_loads: bool = False) -> None:
         self.backend, self.debug, self.early_index_loads = backend, debug, early_index_loads

@@ -21,7 +21,8 @@ through the dispatcher. ``torch.library.custom_op`` would add its Python autogra
 in-place wrappers to every call (tens of microseconds on a GPU host), which an
 inference op never needs.
 
-The vLLM plugin does not come through here: each fused layer holds its own BoundOps.
+The vLLM plugin does not come through here: its fused layers share BoundOps of their own
+(vllm_plugin/custom_ops.py, layer_bound_ops), bound with the early-index-loads promise.
 """
 
 from __future__ import annotations

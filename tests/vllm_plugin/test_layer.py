@@ -330,6 +330,33 @@ def test_fused_layers_bind_their_ops_with_the_early_index_loads_promise(vllm_cpu
         assert c["USE_PDL"] is True and c["EARLY_INDEX_LOADS"] is True and c["BLOCK_SIZE"] == H.BLOCK_SIZE
 
 
+@pytest.mark.parametrize("layer_pair", [TRITON_LAYOUTS[0], TRITON_LAYOUTS[3]], ids=["decode", "rope_cache"],
+                         indirect=True)  # fmt: skip
+def test_a_models_fused_layers_share_their_launch_plans(vllm_cpu, layer_pair, monkeypatch):
+    """Two fused layers of one model (the next layer built as vLLM builds it): every step the
+    second runs after the first binds no layout and builds no launch plan of its own, whatever the
+    step's token count. Per layer, a step with a new token count (most steps that admit a prompt,
+    issue 40) rebuilt the same plan in each of a model's 61 layers; and each first launch of a
+    configuration took Triton's own launch path in every layer."""
+    from vllm_mla_fusion.backends import triton as triton_backend
+
+    _, first = layer_pair
+    second = vllm_cpu.build_attention()
+    vllm_cpu.finish_weights(second, seed=1)
+    assert H.mla_layer(second)[0].fusion_mode == H.mla_layer(first)[0].fusion_mode
+    H.mla_layer(second)[1].bind_kv_cache(H.new_kv_cache(seed=8))
+    binds, plans = Counter(monkeypatch, triton_backend, "bind"), Counter(monkeypatch, triton_backend, "_launch_config")
+    builder = vllm_cpu.builder([H.mla_layer(a)[1].layer_name for a in (first, second)])
+    requests, steps = schedule()
+    for step, metadata, hidden in H.step_inputs(vllm_cpu, builder, steps, requests, seed=12):
+        H.run_step(vllm_cpu, first, metadata, step, hidden)
+        made_by_first = (binds.take(), plans.take())
+        H.run_step(vllm_cpu, second, metadata, step, hidden)
+        assert (binds.take(), plans.take()) == (0, 0), f"{step.name}: the second layer bound or planned again"
+        if step is steps[0]:
+            assert made_by_first[0] >= 1 and made_by_first[1] >= 1, "the first layer's first step binds and plans"
+
+
 @pytest.mark.parametrize("layer_pair", [*LAYOUTS[:2], LAYOUTS[6]], ids=[*LAYOUT_IDS[:2], LAYOUT_IDS[6]], indirect=True)
 def test_compiled_forward_matches_eager(vllm_cpu, layer_pair):
     """The fused forward traces into one graph (the ops are custom ops with fakes) and computes the same."""
