@@ -12,6 +12,7 @@ range (min, max), and every server's own value; then each side against the refer
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -62,17 +63,35 @@ def comparison_pairs(sides: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
+# Student's t, two-sided 95%, by degrees of freedom (1-30; past 30 the normal's 1.96 is within 4%).
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+
+
+def geometric_interval(ratios: list[float]) -> dict:
+    """The ratios' geometric mean and its 95% interval (t over their logarithms), which says how far a
+    run of rounds pins a side's factor down; None for the interval below two ratios."""
+    logs = [math.log(x) for x in ratios]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return {"geomean": math.exp(mean), "low": None, "high": None}
+    half = (_T95[len(logs) - 2] if len(logs) <= 31 else 1.96) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return {"geomean": math.exp(mean), "low": math.exp(mean - half), "high": math.exp(mean + half)}
+
+
 def _paired(servers: list[dict], reference: list[dict], name: str, num_sides: int, higher: bool) -> dict | None:
     """A side against its reference round by round (``--interleave``: record ``index`` of round ``r`` is
-    ``r * num_sides + position``): the ratio in each round both measured, its spread, and the rounds
-    in which the side was worse."""
+    ``r * num_sides + position``): the ratio in each round both measured, its spread, its geometric
+    mean with a 95% interval, and the rounds in which the side was worse."""
     ref = {s["server"] // num_sides: s.get(name) for s in reference}
     ratios = [s[name] / ref[r] for s in servers
               if isinstance(s.get(name), (int, float)) and isinstance(ref.get(r := s["server"] // num_sides), (int, float))
               and ref[r]]  # fmt: skip
     if not ratios:
         return None
-    return dict(_spread(ratios), worse=sum(1 for x in ratios if (x < 1 if higher else x > 1)))
+    positive = [x for x in ratios if x > 0]  # a side that measured 0 (a failed load) has no logarithm
+    spread = geometric_interval(positive) if positive else {"geomean": None, "low": None, "high": None}
+    return dict(_spread(ratios), **spread, worse=sum(1 for x in ratios if (x < 1 if higher else x > 1)))
 
 
 def summarize(results: list[dict], sides: list[str], layers: int, prefix_cache: dict | None = None,
@@ -314,15 +333,21 @@ def _paired_lines(pairs: list[dict]) -> list[str]:
     rounds = max(m["paired"]["n"] for c in pairs for m in c["metrics"].values() if "paired" in m)
     lines = ["", f"Paired by round (`--interleave`: every side's server up at once, the load run on each in turn, "
              f"{rounds} rounds): each side against its reference within a round, median [min-max] over the "
-             "rounds, and in how many rounds it was worse:", ""]  # fmt: skip
+             "rounds, their geometric mean with its 95% interval (t over the rounds' log ratios: a factor "
+             "outside it is unlikely given these rounds), and in how many rounds it was worse:", ""]  # fmt: skip
     header = ["metric", *[f"{c['side']} / {c['against']}" for c in pairs]]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for field, label, _ in METRICS:
         cells = []
         for c in pairs:
             p = c["metrics"].get(field, {}).get("paired")
-            cells.append(f"{p['median']:.3f} [{p['min']:.3f}-{p['max']:.3f}], worse in {p['worse']} of {p['n']}"
-                         if p else "-")  # fmt: skip
+            if not p:
+                cells.append("-")
+                continue
+            mean = "" if p.get("geomean") is None else f", geomean {p['geomean']:.3f}"
+            interval = "" if p.get("low") is None else f" ({p['low']:.3f}-{p['high']:.3f})"
+            cells.append(f"{p['median']:.3f} [{p['min']:.3f}-{p['max']:.3f}]{mean}{interval}, "
+                         f"worse in {p['worse']} of {p['n']}")  # fmt: skip
         lines.append("| " + " | ".join([label, *cells]) + " |")
     return lines
 

@@ -209,3 +209,33 @@ def test_a_run_whose_api_server_keeps_up_is_not_flagged(write_results):
     loads = report.summarize(results, ["on"], layers=61, hosts={(0, "rate4"): entry})
     md = report.markdown(_report(loads, sides=["on"]))
     assert "| 0 | on |" in md and "fell behind" not in md
+
+
+# The on / off TTFT p50 ratios of issue 40's runs 9 and 10 (H100, --interleave, 12 rounds), and
+# their geometric mean and 95% interval computed apart from the report (logarithms, their mean and
+# sample SD, t(0.975, 11) = 2.201).
+RUNS_9_10_TTFT = [1.469, 0.456, 0.405, 1.297, 1.014, 1.141, 1.714, 1.128, 1.349, 0.723, 0.995, 1.056]
+
+
+def test_the_rounds_give_a_geometric_mean_and_its_interval():
+    got = report.geometric_interval(RUNS_9_10_TTFT)
+    assert got["geomean"] == pytest.approx(0.98225, abs=1e-4)
+    assert (got["low"], got["high"]) == (pytest.approx(0.74095, abs=1e-4), pytest.approx(1.30213, abs=1e-4))
+    two = report.geometric_interval([1.0, 1.21])  # logs 0 and 2 ln 1.1: t(0.975, 1) = 12.706
+    half = 12.706 * (2 * 0.0953102 / 2**0.5) / 2**0.5
+    assert two["geomean"] == pytest.approx(1.1)
+    assert (two["low"], two["high"]) == (pytest.approx(1.1 * 2.718281828 ** -half), pytest.approx(1.1 * 2.718281828 ** half))
+    assert report.geometric_interval([1.3]) == {"geomean": pytest.approx(1.3), "low": None, "high": None}
+
+
+def test_paired_rounds_carry_the_interval_into_the_report():
+    sides = ["on", "off"]
+    servers = {"on": [{"server": 2 * r, "median_ttft_ms": 100.0 * x} for r, x in enumerate(RUNS_9_10_TTFT)],
+               "off": [{"server": 2 * r + 1, "median_ttft_ms": 100.0} for r in range(len(RUNS_9_10_TTFT))]}  # fmt: skip
+    paired = report._paired(servers["on"], servers["off"], "median_ttft_ms", len(sides), higher=False)
+    assert paired["n"] == 12 and paired["worse"] == 8
+    assert (paired["geomean"], paired["low"], paired["high"]) == (
+        pytest.approx(0.98225, abs=1e-4), pytest.approx(0.74095, abs=1e-4), pytest.approx(1.30213, abs=1e-4))
+    comparison = {"side": "on", "against": "off", "metrics": {"median_ttft_ms": {"paired": paired}}}
+    row = next(line for line in report._paired_lines([comparison]) if line.startswith("| TTFT p50"))
+    assert "geomean 0.982 (0.741-1.302), worse in 8 of 12" in row

@@ -400,6 +400,7 @@ def test_interleaved_servers_take_turns_and_the_report_pairs_the_rounds(tmp_path
     assert ttft["ratio"] == pytest.approx(1.1)
     assert ttft["paired"]["median"] == pytest.approx(1.1) and ttft["paired"]["min"] == pytest.approx(1.1)
     assert (ttft["paired"]["n"], ttft["paired"]["worse"]) == (3, 3)
+    assert ttft["paired"]["geomean"] == ttft["paired"]["low"] == ttft["paired"]["high"] == pytest.approx(1.1)
     assert "Paired by round" in (tmp_path / "serving_tiny.md").read_text()
     # Each round its own requests, the same on both sides (no prefix-cache hit across rounds)
     seeds = {}
