@@ -63,7 +63,8 @@ def comparison_pairs(sides: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-# Student's t, two-sided 95%, by degrees of freedom (1-30; past 30 the normal's 1.96 is within 4%).
+# Student's t, two-sided 95%, by degrees of freedom 1-30; past 30 the value at 30 (at most 4% wide of the
+# exact one, on the safe side).
 _T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
 
@@ -75,7 +76,7 @@ def geometric_interval(ratios: list[float]) -> dict:
     mean = statistics.fmean(logs)
     if len(logs) < 2:
         return {"geomean": math.exp(mean), "low": None, "high": None}
-    half = (_T95[len(logs) - 2] if len(logs) <= 31 else 1.96) * statistics.stdev(logs) / math.sqrt(len(logs))
+    half = _T95[min(len(logs) - 2, len(_T95) - 1)] * statistics.stdev(logs) / math.sqrt(len(logs))
     return {"geomean": math.exp(mean), "low": math.exp(mean - half), "high": math.exp(mean + half)}
 
 
@@ -89,8 +90,10 @@ def _paired(servers: list[dict], reference: list[dict], name: str, num_sides: in
               and ref[r]]  # fmt: skip
     if not ratios:
         return None
-    positive = [x for x in ratios if x > 0]  # a side that measured 0 (a failed load) has no logarithm
-    spread = geometric_interval(positive) if positive else {"geomean": None, "low": None, "high": None}
+    # A round where a side measured 0 (a failed load) has no logarithm: then no mean of the rounds at all,
+    # rather than one over the rounds that happened to work.
+    spread = (geometric_interval(ratios) if all(x > 0 for x in ratios)
+              else {"geomean": None, "low": None, "high": None})  # fmt: skip
     return dict(_spread(ratios), **spread, worse=sum(1 for x in ratios if (x < 1 if higher else x > 1)))
 
 
@@ -333,8 +336,8 @@ def _paired_lines(pairs: list[dict]) -> list[str]:
     rounds = max(m["paired"]["n"] for c in pairs for m in c["metrics"].values() if "paired" in m)
     lines = ["", f"Paired by round (`--interleave`: every side's server up at once, the load run on each in turn, "
              f"{rounds} rounds): each side against its reference within a round, median [min-max] over the "
-             "rounds, their geometric mean with its 95% interval (t over the rounds' log ratios: a factor "
-             "outside it is unlikely given these rounds), and in how many rounds it was worse:", ""]  # fmt: skip
+             "rounds, their geometric mean with its 95% confidence interval (t over the rounds' log ratios, "
+             "taken as independent), and in how many rounds it was worse:", ""]  # fmt: skip
     header = ["metric", *[f"{c['side']} / {c['against']}" for c in pairs]]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for field, label, _ in METRICS:

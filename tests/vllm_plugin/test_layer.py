@@ -348,13 +348,20 @@ def test_a_models_fused_layers_share_their_launch_plans(vllm_cpu, layer_pair, mo
     binds, plans = Counter(monkeypatch, triton_backend, "bind"), Counter(monkeypatch, triton_backend, "_launch_config")
     builder = vllm_cpu.builder([H.mla_layer(a)[1].layer_name for a in (first, second)])
     requests, steps = schedule()
+    caches = [H.mla_layer(a)[1].kv_cache for a in (first, second)]
     for step, metadata, hidden in H.step_inputs(vllm_cpu, builder, steps, requests, seed=12):
         H.run_step(vllm_cpu, first, metadata, step, hidden)
         made_by_first = (binds.take(), plans.take())
+        before = [c.clone() for c in caches]
         H.run_step(vllm_cpu, second, metadata, step, hidden)
         assert (binds.take(), plans.take()) == (0, 0), f"{step.name}: the second layer bound or planned again"
         if step is steps[0]:
             assert made_by_first[0] >= 1 and made_by_first[1] >= 1, "the first layer's first step binds and plans"
+        # Shared launches, each layer's own cache: the second wrote its rows, the first's stayed as they were.
+        slots = step.slots[: step.num_tokens]
+        blocks, offsets = slots // H.BLOCK_SIZE, slots % H.BLOCK_SIZE
+        assert torch.equal(caches[0], before[0]), f"{step.name}: the second layer wrote the first layer's cache"
+        assert not torch.equal(caches[1][blocks, offsets], before[1][blocks, offsets]), step.name
 
 
 @pytest.mark.parametrize("layer_pair", [*LAYOUTS[:2], LAYOUTS[6]], ids=[*LAYOUT_IDS[:2], LAYOUT_IDS[6]], indirect=True)

@@ -158,7 +158,8 @@ class FusedMLAAttention(MLAAttention):
     _prewarm_cache_config: CacheConfig | None
     _decode_assembles_query: bool  # op 2 builds [ql_nope | rope(q_pe)]; else op 1 rotates the decode rows
     _graph_rope: bool  # piecewise-graph steps run op 1 inside the graph (custom_ops.piecewise_rope_kv_cache_update)
-    # The layer's ops: its backend and VLLM_MLA_FUSION_DEBUG fixed when it was built; keyed by
+    # The ops the layer calls, shared with every fused layer built with the same backend and
+    # VLLM_MLA_FUSION_DEBUG (custom_ops.layer_bound_ops), both fixed when it was built; keyed by
     # the cache format too, since profile runs write through a scratch cache ("auto").
     _bound_ops: BoundOps
 

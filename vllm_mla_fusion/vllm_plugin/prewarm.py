@@ -15,8 +15,8 @@ launch configuration forced, on scratch outputs and all-padding slots: no
 cache row is written, no input is modified, and the extra memory is a few
 rows (the profile run measures peak memory). The scratch cache has the
 block size vLLM has settled by the profile run (a constexpr of the kernel:
-one variant per block size) and the calls go through the layer's own bound
-ops (their early-index-loads promise, another constexpr, included). Both
+one variant per block size) and the calls go through the bound ops the layer's
+steps call (their early-index-loads promise, another constexpr, included). Both
 modes compile here: a decode-mode layer from its attention op, a
 rope_cache-mode layer from ``rope_kv_cache_update``
 (``custom_ops.prewarm_in_profile_run``).
@@ -95,7 +95,7 @@ def kernels(attn, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor
     launched = 0
     for op, args in calls.items():
         p = Problem(1, H, L, R, cache_dtype, nope_dim=P)
-        bound = attn._bound_ops.get(op, kvd, is_neox)  # the layer's own ops, as its steps call them
+        bound = attn._bound_ops.get(op, kvd, is_neox)  # the ops the layer's steps call
         for cfg in triton_backend.launch_configs(p, op, device, max_tokens):
             with triton_backend.forced_launch_config(cfg):
                 bound(*args)

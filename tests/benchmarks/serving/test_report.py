@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 from pathlib import Path
 
@@ -239,3 +240,27 @@ def test_paired_rounds_carry_the_interval_into_the_report():
     comparison = {"side": "on", "against": "off", "metrics": {"median_ttft_ms": {"paired": paired}}}
     row = next(line for line in report._paired_lines([comparison]) if line.startswith("| TTFT p50"))
     assert "geomean 0.982 (0.741-1.302), worse in 8 of 12" in row
+
+
+def test_a_failed_round_leaves_no_mean_of_the_rounds():
+    """A round where the side measured 0 (its load failed) has no log ratio: the report gives no
+    geometric mean or interval then, rather than one over the rounds that worked."""
+    on = [{"server": 0, "output_throughput": 0.0}, {"server": 2, "output_throughput": 200.0},
+          {"server": 4, "output_throughput": 200.0}]  # fmt: skip
+    off = [{"server": 1, "output_throughput": 100.0}, {"server": 3, "output_throughput": 100.0},
+           {"server": 5, "output_throughput": 100.0}]  # fmt: skip
+    paired = report._paired(on, off, "output_throughput", 2, higher=True)
+    assert (paired["n"], paired["worse"], paired["min"]) == (3, 1, 0.0)
+    assert paired["geomean"] is None and paired["low"] is None
+    comparison = {"side": "on", "against": "off", "metrics": {"output_throughput": {"paired": paired}}}
+    row = next(line for line in report._paired_lines([comparison]) if line.startswith("| output throughput"))
+    assert "geomean" not in row and "worse in 1 of 3" in row
+
+
+def test_past_31_rounds_the_interval_stays_on_the_safe_side():
+    ratios = [1.0, 1.2] * 20  # 40 rounds: t(0.975, 39) = 2.023; the table's last value, 2.042, is wider
+    got = report.geometric_interval(ratios)
+    sd = (sum((x - sum(map(math.log, ratios)) / 40) ** 2 for x in map(math.log, ratios)) / 39) ** 0.5
+    exact_half = 2.023 * sd / 40**0.5
+    assert math.log(got["high"] / got["geomean"]) == pytest.approx(2.042 * sd / 40**0.5)
+    assert math.log(got["high"] / got["geomean"]) > exact_half
