@@ -15,7 +15,9 @@ each round; median and range over the rounds), for:
 - ``bound op (plugin)``: a ``binding.BoundOp`` call, what a fused vLLM layer makes per step;
 - ``backend``: the Triton backend's bound launch alone (``CompiledKernel[grid]``), the same
   launch through ``CompiledKernel.run`` by position, and through Triton's own
-  ``kernel[grid](...)`` path;
+  ``kernel[grid](...)`` path; and the bound launch when its plan must be built first (a token
+  count the site has not seen: once per step for all of a model's fused layers, which share
+  their sites, where it was once per layer before 2026-12-06);
 - vLLM's ``concat_and_cache_mla_rope_fused`` and ``concat_and_cache_mla`` C++
   ops when vLLM is importable, a trivial Triton kernel and ``x.add_(1)``.
 
@@ -141,6 +143,7 @@ def main() -> int:
         "prefill bound op (plugin)": lambda: pre_op(*pre_t),
         "prefill backend": lambda: pre_site(T, *pre_t),
         "prefill backend, CompiledKernel.run": _raw_run(pre_site, T, pre_t),
+        "prefill backend, plan built first": lambda: (pre_site.plans.clear(), pre_site(T, *pre_t)),
         "prefill backend, Triton's launch path": lambda: pre_site._launch_through_triton(
             pre_site.plan(T), T, cache.shape[0] * cache.shape[1], 0, *pre_t),
         "trivial triton kernel": lambda: _trivial[(1,)](scale),
