@@ -88,12 +88,12 @@ def write_target(
     return scratch, slots, "auto"
 
 
-# The fused layers' BoundOps, one per (backend, debug mode, promise) for the process. A bound layout's site
-# depends only on its BoundOp's flags and the layout (binding.py's reuse rule), which a model's MLA
-# layers share, so they share each site with its launch plans (one per token count) and compiled
-# kernels. Per layer, a step whose token count is new (most steps that admit a prompt) rebuilt the
-# same plan in every layer (6-12 us of host time each on a 2-core CPU), and each layer's first launch of a
-# configuration took Triton's own launch path.
+# The fused layers' BoundOps, one per (backend, debug mode, promise) for the process. A bound
+# layout's site depends only on its BoundOp's flags and the layout (binding.py's reuse rule), which
+# a model's MLA layers share, so they share each site with its launch plans (one per token count)
+# and compiled kernels. Per layer, a step whose token count is new (most steps that admit a prompt)
+# rebuilt the same plan in every layer (6-12 us of host time each on a 2-core CPU), and each
+# layer's first launch of a configuration took Triton's own launch path.
 _LAYER_OPS: dict[tuple[str, bool, bool], BoundOps] = {}
 
 
