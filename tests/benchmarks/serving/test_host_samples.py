@@ -136,7 +136,10 @@ def test_untitled_engine_processes_found_by_multiprocessing_spawn():
                                f"subprocess.Popen([{py!r}, '-c', {tracker!r}]); time.sleep(60)"],
                               start_new_session=True)  # fmt: skip
     try:
-        children = _wait_for_children(server, lambda cs: len(cs) == 3 and all("time.sleep(60)" in " ".join(c.cmdline()) for c in cs))
+        # Each child exec'd into its own code: a child forked but not yet exec'd still shows the
+        # server's command line, which quotes the others' code ("spawn_main" included).
+        children = _wait_for_children(server, lambda cs: len(cs) == 3
+                                      and sorted((c.cmdline() or [""])[-1] for c in cs) == sorted([worker, engine, tracker]))
         engine_pid = next(c.pid for c in children if c.ppid() == server.pid and "engine" in " ".join(c.cmdline()))
         worker_pid = next(c.pid for c in children if c.ppid() == engine_pid)
         assert hs.sampled_processes(server.pid) == {"APIServer": server.pid, "EngineCore": engine_pid,
