@@ -201,6 +201,35 @@ def make_case(
     return to_device(case, device)
 
 
+# A token-indexed tensor of each op whose rows test_*::test_token_rows_past_32_bit_offsets spreads
+# past 2**31 elements: q_pe (rotated in place), q_out, k_out.
+WIDE_ROWS = {"rope_cache_write": "q_pe", "decode": "q_out", "prefill": "k_out"}
+
+
+def widen_rows(case: Case, name: str, stride: int, canary: float = 3.0, band: int = 4096):
+    """Put ``case.<name>`` (a ``[T, ...]`` tensor) into a fresh allocation whose token rows lie
+    ``stride`` elements apart (``torch.empty``: the pages between the rows are never touched, so a
+    CPU holds little of it), with ``band`` canary elements on each side of every row. Returns a
+    function that asserts the bands still hold the canary."""
+    t = getattr(case, name)
+    T, row = t.shape[0], t[0].numel()
+    parent = torch.empty(((T - 1) * stride + row + band,), dtype=t.dtype, device=t.device)
+    wide = parent.as_strided(t.shape, (stride, *torch.empty(t.shape[1:]).stride()))
+    bands = [(i * stride + row, i * stride + row + band) for i in range(T - 1)]
+    bands += [((i + 1) * stride - band, (i + 1) * stride) for i in range(T - 1)] + [((T - 1) * stride + row, parent.numel())]
+    for lo, hi in bands:
+        parent[lo:hi].fill_(canary)
+    wide.copy_(t)
+    setattr(case, name, wide)
+    case.parents.pop(name, None)  # the bands stand for the bytes around the rows
+
+    def check_bands() -> None:
+        for lo, hi in bands:
+            assert bool((parent[lo:hi] == canary).all()), f"{name}: canary between rows [{lo}, {hi}) changed"
+
+    return check_bands
+
+
 def to_device(case: Case, device) -> Case:
     device = torch.device(device)
     if device.type == "cpu":

@@ -19,7 +19,14 @@ import triton.language as tl  # noqa: E402
 
 from vllm_mla_fusion.backends import triton as triton_backend  # noqa: E402
 
-from .mla_cases import FP8_DTYPES, make_case, out_of_range_slot_case, scaled_fp8_case  # noqa: E402
+from .mla_cases import (  # noqa: E402
+    FP8_DTYPES,
+    WIDE_ROWS,
+    make_case,
+    out_of_range_slot_case,
+    scaled_fp8_case,
+    widen_rows,
+)
 from .mla_reference import (  # noqa: E402
     check_decode_rope_cache_write,
     check_identity_rope_stores,
@@ -286,6 +293,25 @@ def test_addressing_past_2_to_the_31_elements():
     torch.testing.assert_close(rows[:, :L], case.kv_c.to(torch.bfloat16), rtol=0, atol=0)
     # Rows between the written ones still hold the canary, and the start was not hit by a wrapped index.
     assert (flat[last - 1] == 7.0).all() and (kv_cache[0] == 3.0).all()
+
+
+@pytest.mark.parametrize("op", list(WIDE_ROWS))
+def test_token_rows_past_32_bit_offsets(op, monkeypatch):
+    """A token-indexed tensor (q_pe rotated in place, q_out, k_out) whose rows lie 2**26 elements
+    apart, so that rows from token 32 on start past 2**31 elements (~5 GB of bf16): the launch
+    takes 64-bit token offsets (``INDEX_BITS``; 32-bit ones would wrap), every row is as
+    specified, and the canary around the rows is untouched (test_ops.py's twin runs on a CPU)."""
+    T, stride = 40, 2**26
+    case = _gpu_case(op, "bf16", T=T, H=16)
+    check_bands = widen_rows(case, WIDE_ROWS[op], stride)
+    assert triton_backend.max_token_index_32(getattr(case, WIDE_ROWS[op])) < T - 1
+    bits = []
+    plan = triton_backend.BoundLaunch.plan
+    monkeypatch.setattr(triton_backend.BoundLaunch, "plan",
+                        lambda launch, n: bits.append(plan(launch, n).constexprs["INDEX_BITS"]) or plan(launch, n))
+    _run_and_check(op, case)
+    assert bits and set(bits) == {64}
+    check_bands()
 
 
 def _gpu_case(op: str, store: str, **kw):
