@@ -62,12 +62,11 @@ class Variant:
     out: str | None = None  # q_out (op 2) or k_out (op 3) dtype
     out_scale: bool = False  # q_scale (op 2)
     early: bool = False  # bound with binding.py's early_index_loads promise (the vLLM plugin's launches)
-    index_bits: int = 32  # the width of token offsets (INDEX_BITS): 64 past the counts whose offsets fit 32 bits
 
     @property
     def label(self) -> str:
         cache = f"{self.cache}{' /scale' if self.cache_scale else ''}"
-        early = (", early index loads" if self.early else "") + (", 64-bit offsets" if self.index_bits == 64 else "")
+        early = ", early index loads" if self.early else ""
         if self.out is None:
             return f"cache {cache}{early}"
         name = "q_out" if self.op == "decode" else "k_out"
@@ -159,10 +158,7 @@ def capture_launch(machine, v: Variant):
                 op, p = 1, validation.check_rope_cache_write(*c.rope_args())
                 tensors = (c.positions, c.q_pe, c.k_pe, c.kv_c, c.cos_sin_cache, c.slot_mapping, c.kv_cache,
                            c.kv_cache_scale, None, None, None)  # fmt: skip
-            # 64-bit offsets: as for tensors whose token rows pass 2**31 elements (none fit 32 bits).
-            wide = patched(tb, max_token_index_32=lambda *t: -1) if v.index_bits == 64 else contextlib.nullcontext()
-            with wide:
-                tb.bind(p, op, c.is_neox, True, *tensors, v.early)(p.num_tokens, *tensors)
+            tb.bind(p, op, c.is_neox, True, *tensors, v.early)(p.num_tokens, *tensors)
         finally:
             tb._KERNELS.update(kernels)
         kernel = kernels[op]

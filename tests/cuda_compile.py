@@ -69,15 +69,9 @@ def as_cuda_machine(arch: str):
 
 
 def variants() -> list[aot.Variant]:
-    """The compile matrix (aot_compile.variants), as the public ops and as the plugin bind it, and
-    each op's bf16 and scaled-e4m3fn variants as the plugin binds them for token counts whose
-    offsets pass 32 bits (64-bit offsets)."""
+    """The compile matrix (aot_compile.variants), as the public ops and as the plugin bind it."""
     base = aot.variants()
-    early = [dataclasses.replace(v, early=True) for v in base]
-    wide = [dataclasses.replace(v, index_bits=64) for v in early
-            if v.cache in ("bfloat16", "float8_e4m3fn") and v.cache_scale == (v.cache != "bfloat16")
-            and v.out in (None, v.cache)]  # fmt: skip
-    return base + early + wide
+    return base + [dataclasses.replace(v, early=True) for v in base]
 
 
 # Hardware conversions to fp8 (sm_89 on: e4m3fn and e5m2, pairs, saturating), and the PDL
@@ -180,7 +174,6 @@ def report(arch: str, v: aot.Variant, dump: Path | None = None) -> dict:
     waits = [m.start() for m in GRIDDEP_WAIT.finditer(ptx)]
     return dict(
         c.fields(arch, v), triton=triton_version(), pdl=c.kwargs["USE_PDL"], early_index_loads=c.kwargs["EARLY_INDEX_LOADS"],
-        index_bits=c.kwargs["INDEX_BITS"],
         waits=len(waits), loads_before_wait=len(GLOBAL_LOAD.findall(ptx, 0, waits[0] if waits else len(ptx))),
         load_order=load_order(c.kernel.asm["ttir"]),
         regs=int(regs.group(1)), stack=stack, spill_stores=spill_stores, spill_loads=spill_loads,

@@ -201,7 +201,7 @@ def make_case(
     return to_device(case, device)
 
 
-# A token-indexed tensor of each op whose rows test_*::test_token_rows_past_32_bit_offsets spreads
+# A token-indexed tensor of each op whose rows test_*::test_token_rows_beyond_int32_offsets spreads
 # past 2**31 elements: q_pe (rotated in place), q_out, k_out.
 WIDE_ROWS = {"rope_cache_write": "q_pe", "decode": "q_out", "prefill": "k_out"}
 

@@ -20,8 +20,6 @@ fails on that GPU before it runs.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 pytest.importorskip("triton", reason="compiles the Triton kernel")
@@ -106,15 +104,3 @@ def test_index_and_table_loads_come_before_the_wait_only_where_promised(compiled
             assert loads.count("wait") == 1
         else:
             assert "wait" not in loads and loads.index(ROPE_INPUT[program]) < loads.index("cos_sin_ptr"), loads
-
-
-@pytest.mark.parametrize("v", [v for v in VARIANTS if v.index_bits == 64], ids=lambda v: f"{v.op}-{v.label}")
-@pytest.mark.parametrize("arch", list(ARCHS))
-def test_offsets_are_32_bit_unless_the_launch_needs_64(compiled, arch, v):
-    """Token counts whose offsets fit 32 bits compile with 32-bit token, row and head offsets
-    (backends/triton.py, ``INDEX_BITS``: fewer registers), the others with 64-bit ones: two variants
-    of their own code, the narrow one using no more registers."""
-    wide, narrow = compiled[(arch, v.op, v.label)], compiled[(arch, v.op, dataclasses.replace(v, index_bits=32).label)]
-    assert (wide["index_bits"], narrow["index_bits"]) == (64, 32)
-    assert wide["ptx_sha256"] != narrow["ptx_sha256"]
-    assert narrow["regs"] <= wide["regs"], (narrow["regs"], wide["regs"])

@@ -296,7 +296,7 @@ def _kernel_params(op: int) -> list[tuple[str, bool]]:
 
 # (pointers, sizes, constexprs) of each op's entry point; after the sizes, one tuple of the data
 # tensors' strides.
-ENTRY_POINTS = {1: (8, 4, 11), 2: (11, 5, 13), 3: (10, 5, 14)}
+ENTRY_POINTS = {1: (8, 4, 10), 2: (11, 5, 12), 3: (10, 5, 13)}
 
 
 @pytest.mark.parametrize("op", [1, 2, 3])
@@ -463,93 +463,3 @@ def test_the_prefill_key_takes_no_output_scale():
     p = Problem(8, 4, 32, 16, torch.float32, nope_dim=8)
     with pytest.raises(ValueError, match="out_scale"):
         tb.bind(p, 3, True, True, *t.values())
-
-
-# --- the offsets' width: 32-bit token offsets wherever they fit --------------------------------
-
-
-def _strided(shape: tuple, token_stride: int) -> torch.Tensor:
-    """A tensor of ``shape`` whose rows lie ``token_stride`` elements apart, on the meta device
-    (sizes and strides, no memory: rows past 2**31 elements cost nothing)."""
-    inner = torch.empty(shape[1:], device="meta").stride()
-    return torch.empty_strided(shape, (token_stride, *inner), device="meta")
-
-
-def _farthest(x: torch.Tensor, t: int) -> int:
-    """The offset of the last element of token ``t``'s row in ``x`` (strides are never negative)."""
-    return t * x.stride(0) + sum((n - 1) * s for n, s in zip(x.shape[1:], x.stride()[1:]))
-
-
-def test_the_largest_token_index_with_32_bit_offsets():
-    """Every element of the rows up to the index fits a signed 32-bit offset in every tensor, and
-    one of the next row's does not; a row that alone passes 2**31 admits none (-1); a token stride
-    of 0 (one row for all tokens) and None limit nothing."""
-    rng = random.Random(11)
-    for _ in range(300):
-        tensors = [_strided((rng.randrange(1, 9), rng.randrange(1, 200), rng.randrange(1, 700)),
-                            rng.choice([1 << rng.randrange(10, 31), rng.randrange(1, 2**31)]))
-                   for _ in range(rng.randrange(1, 5))]  # fmt: skip
-        m = tb.max_token_index_32(*tensors, None)
-        if m < 0:
-            assert any(_farthest(x, 0) >= 2**31 for x in tensors)
-            continue
-        assert all(_farthest(x, m) < 2**31 for x in tensors), m
-        assert any(_farthest(x, m + 1) >= 2**31 for x in tensors), m
-    assert tb.max_token_index_32(_strided((4, 2**31, 1), 1)) == 0  # token 0: offsets up to 2**31 - 1
-    assert tb.max_token_index_32(_strided((4, 2**31 + 1, 1), 1)) == -1
-    assert tb.max_token_index_32(_strided((4, 16, 64), 0)) > 2**31
-
-
-def _meta_tensors(op: int, big: str, token_stride: int, T: int = 4, H: int = 4, L: int = 32, R: int = 16, P: int = 8):
-    """An op's tensors on the meta device, ``big``'s rows ``token_stride`` elements apart."""
-    rows = dict(q_pe=(T, H, R), k_pe=(T, 1, R), kv_c=(T, L))
-    if op != 1:
-        rows.update(nope=(T, H, L if op == 2 else P), out=(T, H, (L if op == 2 else P) + R))
-    t = {name: (_strided(shape, token_stride) if name == big else torch.empty(shape, device="meta"))
-         for name, shape in rows.items()}  # fmt: skip
-    return dict(positions=torch.arange(T), q_pe=t["q_pe"], k_pe=t["k_pe"], kv_c=t["kv_c"],
-                cos_sin_cache=torch.empty(64, R, device="meta"), slot_mapping=torch.arange(T),
-                kv_cache=torch.empty(4, 16, L + R, device="meta"), kv_cache_scale=None, nope=t.get("nope"),
-                out=t.get("out"), out_scale=None)  # fmt: skip
-
-
-@pytest.mark.parametrize(("op", "big"), [(1, "q_pe"), (1, "k_pe"), (1, "kv_c"), (2, "q_pe"), (2, "nope"), (2, "out"),
-                                         (3, "kv_c"), (3, "nope"), (3, "out")])  # fmt: skip
-def test_plans_take_64_bit_offsets_exactly_where_32_would_not_fit(op, big):
-    """Each token-indexed tensor bounds the token counts that run with 32-bit offsets: a plan takes
-    ``INDEX_BITS`` 32 exactly when every token index its grid computes (the last tiles' masked
-    lanes too) has its rows within 2**31 elements, in each tensor. A forced configuration may
-    widen the offsets, never narrow them. The cache's offsets come from the slot, always 64-bit."""
-    H, stride = 4, 2**31 // 100 + 1  # rows of the big tensor past 2**31 elements from token 100 on (mid-tile)
-    t = _meta_tensors(op, big, stride, H=H)
-    p = Problem(num_tokens=4, num_heads=H, kv_lora_rank=32, rope_dim=16, cache_dtype=torch.float32,
-                nope_dim=8 if op == 3 else None)  # fmt: skip
-    launch = tb.bind(p, op, True, True, *t.values())
-    token_tensors = [t[name] for name in ("q_pe", "k_pe", "kv_c", "nope", "out") if t[name] is not None]
-    widths = set()
-    for T in [1, 2, 7, 60, 64, 65, 90, 99, 100, 101, 128, 129, 200, 1000, 5000]:
-        plan = launch.plan(T)
-        c = plan.constexprs
-        last = max(plan.n_cache * c["BLOCK_T"], (plan.grid - plan.n_cache) * c["BLOCK_ROWS"] // H) - 1
-        fits = all(_farthest(x, last) < 2**31 for x in token_tensors)
-        assert c["INDEX_BITS"] == (32 if fits else 64), (T, last, c)
-        widths.add(c["INDEX_BITS"])
-        for forced in (32, 64):
-            with tb.forced_launch_config(dict(tb._launch_config(dataclasses.replace(p, num_tokens=T), op,
-                                                                torch.device("cpu")), INDEX_BITS=forced)):
-                assert launch.plan(T).constexprs["INDEX_BITS"] == max(forced, c["INDEX_BITS"]), (T, forced)
-    assert widths == {32, 64}, "both widths met (else no test)"
-
-
-def test_launch_configs_hold_the_offsets_width_up_to_the_most_tokens():
-    """What the profile run compiles ahead (prewarm.py): each configuration with the offsets' width
-    its token counts take; below the limit only 32-bit ones, past it 64-bit ones too."""
-    p, device = _problem(1, 2), torch.device("cpu")
-    narrow = tb.launch_configs(p, 2, device, 300)
-    assert {c["INDEX_BITS"] for c in narrow} == {32}
-    both = tb.launch_configs(p, 2, device, 300, max_index_32=150)
-    assert {c["INDEX_BITS"] for c in both} == {32, 64}
-    for T in range(1, 301):
-        cfg = tb._launch_config(dataclasses.replace(p, num_tokens=T), 2, device)
-        plan_cfg = dict(cfg, INDEX_BITS=tb._index_bits(T, p.num_heads, cfg, 150))
-        assert plan_cfg in both, T

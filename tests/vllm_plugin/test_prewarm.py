@@ -202,22 +202,16 @@ def test_a_larger_forward_compiles_what_a_smaller_one_did_not(vllm_cpu, triton_l
 
 
 @pytest.mark.parametrize("layer_fixture", ["triton_layer", "layer_built_before_the_block_size",
-                                           "layer_of_a_larger_manager_block", "rope_cache_layer",
-                                           "triton_layer/64-bit offsets", "rope_cache_layer/64-bit offsets"])
+                                           "layer_of_a_larger_manager_block", "rope_cache_layer"])
 def test_the_variants_compiled_ahead_are_the_ones_the_steps_launch(vllm_cpu, layer_fixture, request, monkeypatch):
     """The profile run compiles through the layer's own bound ops (their early-index-loads
     promise) and a scratch cache of the cache's block size, as vLLM has settled it by then:
     each launch of the steps that follow has exactly the constexprs of a launch forced in the
-    profile run (tiles, store formats, ``BLOCK_SIZE``, ``EARLY_INDEX_LOADS``, ``INDEX_BITS``), so
-    it runs a binary compiled ahead. As on an sm_90 GPU: programmatic dependent launch on (its
-    wait a no-op in the interpreter). "64-bit offsets": tensors whose token offsets pass 32 bits
-    from token 20 on (a stand-in for rows past 2**31 elements), so the larger steps take the
-    64-bit variants, which the profile run compiles too."""
+    profile run (tiles, store formats, ``BLOCK_SIZE``, ``EARLY_INDEX_LOADS``), so it runs a
+    binary compiled ahead. As on an sm_90 GPU: programmatic dependent launch on (its wait a
+    no-op in the interpreter)."""
     from vllm_mla_fusion.backends import triton as tb
 
-    layer_fixture, _, offsets = layer_fixture.partition("/")
-    if offsets:
-        monkeypatch.setattr(tb, "max_token_index_32", lambda *tensors: 20)
     triton_layer = request.getfixturevalue(layer_fixture)
 
     from ..test_binding import _no_wait
@@ -246,6 +240,5 @@ def test_the_variants_compiled_ahead_are_the_ones_the_steps_launch(vllm_cpu, lay
         H.run_step(vllm_cpu, triton_layer, metadata, step, hidden)
     served = [(op, c) for forced, op, c in launches if not forced]
     assert served and not any(forced for forced, _, _ in launches)
-    assert {c["INDEX_BITS"] for _, c in served} == ({32, 64} if offsets else {32})
     for op, c in served:
         assert (op, c) in ahead, (op, c)

@@ -21,12 +21,8 @@ of token ``t`` is ``t - key_start``.
 Splitting the two lets a decode step (few tokens, many heads) spread over many
 programs, while every program keeps a tile of a few thousand elements so large
 prefills stay bandwidth-bound. Everything is computed in float32 and rounded
-once on store. Slots are widened to int64 before they multiply a stride, so caches
-past 2**31 elements are addressed correctly; token, row and head indices are too,
-unless the host has checked that every offset they make in this launch's
-tensors fits 32 bits (``INDEX_BITS``, chosen per token count: BoundLaunch.plan),
-which takes 8 registers from op 3's programs on sm_90 (40 -> 32 at 128 heads:
-a full SM's warps in flight instead of three quarters). The
+once on store. Token, block and slot indices are widened to int64 before they
+multiply a stride, so tensors past 2**31 elements are addressed correctly; the
 cache's block size is a constexpr (``BLOCK_SIZE``), so a slot's block and row
 within it are a shift and a mask (a multiply for other block sizes), not a
 64-bit division by a runtime value.
@@ -44,11 +40,11 @@ Each kind of program is a loads helper and a stores helper: all of a tile's
 loads are issued before any of its stores (latent and nope columns past the
 first 512 excepted, loaded by the stores helper as they are stored).
 
-The entry points take 24 (op 1), 30 (op 2) and 30 (op 3) parameters: the
+The entry points take 23 (op 1), 29 (op 2) and 29 (op 3) parameters: the
 pointers, the sizes, the data tensors' strides as one tuple bound with the
 layout (Triton's launchers take tuple arguments in the signature's nesting, the
 direct launch below too) and the constexprs (sizes, rotation style, tiles, PDL, the
-cache's block size, the early index loads, the offsets' width, and one store format per store, the
+cache's block size, the early index loads, and one store format per store, the
 cache and the output: ``_store_mode`` names it, e.g.
 ``"float8_e4m3fnuz/bits/scaled"``, and the kernel derives the rounding mode, the
 scale and the fp8 format's constants from it through constexpr functions,
@@ -297,17 +293,6 @@ def _rotate(x1, x2, cos, sin):
 
 
 @triton.jit
-def _offset_int(index, INDEX_BITS: tl.constexpr):
-    """A token, row or head index in the integer type its offsets are computed in: int32 where the
-    host has checked that every token-indexed offset of the launch fits (BoundLaunch.plan: fewer
-    registers, 32-bit multiplies and the row's ``// H`` by a constant), int64 otherwise."""
-    if INDEX_BITS == 32:
-        return index
-    else:
-        return index.to(tl.int64)
-
-
-@triton.jit
 def _wait_for_inputs(USE_PDL: tl.constexpr):
     """With programmatic dependent launch (sm_90+), wait until the kernel launched before this one
     has finished and its writes are visible, then let the next kernel get scheduled. A program
@@ -437,7 +422,6 @@ class _Meta(NamedTuple):
     BLOCK_H: object
     USE_PDL: object
     EARLY_INDEX_LOADS: object
-    INDEX_BITS: object
 
 
 @triton.jit
@@ -465,7 +449,7 @@ def _mla_rope_cache_kernel_op1(
     strides,  # (12,): cos/sin, q_pe, k_pe, kv_c, cache
     H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, IS_NEOX: tl.constexpr, CACHE_STORE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr, INDEX_BITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr,
 ):  # fmt: skip
     """Op 1: q_pe and k_pe rotated in place, [kv_c | rope(k_pe)] written to the cache."""
     rope, q_pe, k_pe, kv_c, cache = _op1_tensors(pos_ptr, slot_ptr, cos_sin_ptr, q_pe_ptr, k_pe_ptr, kv_c_ptr, cache_ptr,
@@ -477,7 +461,7 @@ def _mla_rope_cache_kernel_op1(
         _Sizes(num_tokens, max_pos, num_slots, 0, n_cache_programs),
         _Dims(H, L, R, 1),
         _Meta(OP_ROPE_CACHE, IS_NEOX, True, CACHE_STORE, _NO_STORE, BLOCK_T, BLOCK_ROWS, 1, USE_PDL,
-               EARLY_INDEX_LOADS, INDEX_BITS),
+               EARLY_INDEX_LOADS),
     )
 
 
@@ -496,7 +480,7 @@ def _mla_rope_cache_kernel_op2(
     H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, IS_NEOX: tl.constexpr,
     NOPE_FIRST: tl.constexpr,  # q_out = [nope | rope] (else [rope | nope])
     CACHE_STORE: tl.constexpr, OUT_STORE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-    USE_PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr, INDEX_BITS: tl.constexpr,
+    USE_PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr,
 ):  # fmt: skip
     """Op 2: q_out = [ql_nope | rope(q_pe)] (rounded as OUT_STORE says), the cache rows as op 1's."""
     rope, q_pe, k_pe, kv_c, cache = _op1_tensors(pos_ptr, slot_ptr, cos_sin_ptr, q_pe_ptr, k_pe_ptr, kv_c_ptr, cache_ptr,
@@ -508,7 +492,7 @@ def _mla_rope_cache_kernel_op2(
         _Sizes(num_tokens, max_pos, num_slots, key_start, n_cache_programs),
         _Dims(H, L, R, L),
         _Meta(OP_DECODE, IS_NEOX, NOPE_FIRST, CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_ROWS, 1, USE_PDL,
-               EARLY_INDEX_LOADS, INDEX_BITS),
+               EARLY_INDEX_LOADS),
     )
 
 
@@ -524,7 +508,7 @@ def _mla_rope_cache_kernel_op3(
     H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, NOPE: tl.constexpr, IS_NEOX: tl.constexpr,
     CACHE_STORE: tl.constexpr, OUT_STORE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,  # heads per k_out store in a cache program
-    USE_PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr, INDEX_BITS: tl.constexpr,
+    USE_PDL: tl.constexpr, BLOCK_SIZE: tl.constexpr, EARLY_INDEX_LOADS: tl.constexpr,
 ):  # fmt: skip
     """Op 3: op 1's work, and the attention key k_out = [k_nope | rope(k_pe)] of tokens from key_start on."""
     rope, q_pe, k_pe, kv_c, cache = _op1_tensors(pos_ptr, slot_ptr, cos_sin_ptr, q_pe_ptr, k_pe_ptr, kv_c_ptr, cache_ptr,
@@ -536,7 +520,7 @@ def _mla_rope_cache_kernel_op3(
         _Sizes(num_tokens, max_pos, num_slots, key_start, n_cache_programs),
         _Dims(H, L, R, NOPE),
         _Meta(OP_PREFILL, IS_NEOX, True, CACHE_STORE, OUT_STORE, BLOCK_T, BLOCK_ROWS, BLOCK_H, USE_PDL,
-               EARLY_INDEX_LOADS, INDEX_BITS),
+               EARLY_INDEX_LOADS),
     )
 
 
@@ -553,7 +537,7 @@ def _mla_rope_cache(rope, q_pe, k_pe, kv_c, cache, nope, out, sizes, dims, meta)
     tokens per cache tile; BLOCK_ROWS, (token, head) rows per query tile; BLOCK_H, heads per
     k_out store in a cache tile (op 3); USE_PDL, launched with programmatic dependent launch
     (sm_90+); EARLY_INDEX_LOADS, with USE_PDL: positions, slots and cos/sin read before the wait
-    (BoundLaunch); INDEX_BITS, 32 or 64: the width of token, row and head offsets (_offset_int)."""
+    (BoundLaunch)."""
     CACHE_STORE: tl.constexpr = meta.CACHE_STORE
     OUT_STORE: tl.constexpr = meta.OUT_STORE
     USE_PDL: tl.constexpr = meta.USE_PDL
@@ -627,7 +611,7 @@ def _cache_tile_loads(index, rope, k_pe, kv_c, cache, sizes, dims, meta, POW2_SC
     kv_c_ptr, stride_c_t, stride_c_l = kv_c.ptr, kv_c.stride_t, kv_c.stride_col
     slot_ptr, cache_scale_ptr = cache.slot_ptr, cache.scale_ptr
 
-    t = _offset_int(index, meta.INDEX_BITS) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t = index.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = t < num_tokens
     pos = tl.load(rope.pos_ptr + t, mask=t_mask, other=0).to(tl.int64)
     slot = tl.load(slot_ptr + t, mask=t_mask, other=-1).to(tl.int64)
@@ -682,8 +666,8 @@ def _cache_tile_stores(tile, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SCA
         y2 = tl.reshape(tl.broadcast_to(y2[:, None, :], [BLOCK_T, BLOCK_H, BLOCK_R2]), [ROWS, BLOCK_R2])
         key_mask = t_mask & (t >= key_start)
         for h0 in tl.static_range(0, H, BLOCK_H):
-            h = _offset_int(h0 + tl.arange(0, BLOCK_H), meta.INDEX_BITS)
-            off = (t - key_start)[:, None] * stride_o_t + h[None, :] * stride_o_h + NOPE * stride_o_d
+            h = h0 + tl.arange(0, BLOCK_H)
+            off = (t - key_start)[:, None] * stride_o_t + h[None, :].to(tl.int64) * stride_o_h + NOPE * stride_o_d
             m = key_mask[:, None] & (h < H)[None, :]
             _store_rotated(key_ptr, tl.reshape(off, [ROWS]), y1, y2, tl.reshape(m, [ROWS]), IS_NEOX, R, BLOCK_R2,
                            stride_o_d, ROWS)  # fmt: skip
@@ -740,7 +724,7 @@ def _query_tile_loads(index, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCAL
     nope_ptr, stride_n_t, stride_n_h, stride_n_d = nope.ptr, nope.stride_t, nope.stride_h, nope.stride_col
     out_scale_ptr, stride_o_t, stride_o_h = out.scale_ptr, out.stride_t, out.stride_h
 
-    rows = _offset_int(index, meta.INDEX_BITS) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    rows = index.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     t = rows // H
     h = rows % H
     r_mask = t < num_tokens
@@ -869,31 +853,6 @@ def _store_view(out: torch.Tensor, dtype: torch.dtype, view: str) -> torch.Tenso
     return out.view(torch.uint8) if view == "bytes" else out
 
 
-def max_token_index_32(*tensors: torch.Tensor | None) -> int:
-    """The largest token index whose element offsets in each of ``tensors`` (token-major: the
-    token is the first dimension; None skipped) all fit a signed 32-bit integer: ``t * stride(0)``
-    plus the farthest element of the row. -1 where even token 0's row does not fit."""
-    limit = 2**62
-    for x in tensors:
-        if x is None:
-            continue
-        room = 2**31 - 1 - sum(max(n - 1, 0) * s for n, s in zip(x.shape[1:], x.stride()[1:]))
-        if room < 0:
-            return -1
-        if x.stride(0) > 0:
-            limit = min(limit, room // x.stride(0))
-    return limit
-
-
-def _index_bits(T: int, H: int, cfg: dict, max_index_32: int) -> int:
-    """The offsets' width for ``T`` tokens of ``H`` heads launched with ``cfg``: 32 bits where every
-    token index the launch computes, the last tiles' masked lanes included, is at most
-    ``max_index_32``; else 64."""
-    block_t, block_rows = cfg["BLOCK_T"], cfg["BLOCK_ROWS"]
-    last = max(_cdiv(T, block_t) * block_t - 1, (_cdiv(T * H, block_rows) * block_rows - 1) // H)
-    return 32 if last <= max_index_32 else 64
-
-
 @functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -916,17 +875,14 @@ def _pdl_ok(device: torch.device) -> bool:
 LAUNCH_CONFIG_OVERRIDE: dict | None = None
 
 
-def launch_configs(p: Problem, op: int, device: torch.device, max_tokens: int,
-                   max_index_32: int = 2**62) -> list[dict]:  # fmt: skip
+def launch_configs(p: Problem, op: int, device: torch.device, max_tokens: int) -> list[dict]:
     """The distinct launch configurations (each a compiled kernel) ``op`` uses for 1 to
-    ``max_tokens`` tokens of ``p``'s other sizes, with the offsets' width (``INDEX_BITS``) of
-    tensors whose token indices fit 32-bit offsets up to ``max_index_32`` (max_token_index_32)."""
+    ``max_tokens`` tokens of ``p``'s other sizes."""
     configs: list[dict] = []
     sms, pdl = _num_sms(device), _pdl_ok(device)
     for T in range(1, max_tokens + 1):
         # Uncached: a sweep over every token count must not evict the configurations in use.
         cfg = _launch_config_for.__wrapped__(dataclasses.replace(p, num_tokens=T), op, sms, pdl)
-        cfg = dict(cfg, INDEX_BITS=_index_bits(T, p.num_heads, cfg, max_index_32))
         if cfg not in configs:
             configs.append(cfg)
     return configs
@@ -1030,8 +986,8 @@ class BoundLaunch:
 
     Fixed here: the op's constexprs (sizes, rotation style, store modes of the cache and the
     output, from their element types), every stride, the rope table's and the cache block's
-    sizes. Per call: the token count picks a plan (grid, block sizes, the offsets' width; cached
-    per count), and the compiled kernel of the plan's configuration is launched with integer addresses
+    sizes. Per call: the token count picks a plan (grid and block sizes, cached per count),
+    and the compiled kernel of the plan's configuration is launched with integer addresses
     through its own launcher, called as Triton's launch path calls it (``CompiledKernel.run``);
     when a profiler has installed a launch hook, through ``CompiledKernel[grid]``, which builds
     the launch metadata and calls the hooks. No argument binding, no specialization key, no
@@ -1073,9 +1029,6 @@ class BoundLaunch:
         self.kernel, self.constexpr_names = _KERNELS[op], _CONSTEXPR_NAMES[op]
         self.max_pos, self.block_size = cos_sin_cache.shape[0], kv_cache.shape[1]
         self.num_slots = kv_cache.shape[0] * kv_cache.shape[1]
-        # Token counts up to about this take 32-bit token offsets (plan(), _index_bits); the cache's
-        # are the slot's, always 64-bit.
-        self.max_index_32 = max_token_index_32(q_pe, k_pe, kv_c, nope if out is not None else None, out)
         # The kernel reads the index tensors at unit stride (vLLM's are contiguous); another
         # stride costs a copy of the T entries used, never a wrong read.
         self.copy_index = positions.stride(0) != 1 or slot_mapping.stride(0) != 1
@@ -1106,9 +1059,7 @@ class BoundLaunch:
         cfg = _launch_config(dataclasses.replace(self.p, num_tokens=T), self.op, self.device)
         constexprs = dict(self.base_constexprs, BLOCK_T=cfg["BLOCK_T"], BLOCK_ROWS=cfg["BLOCK_ROWS"],
                           BLOCK_H=cfg["BLOCK_H"], USE_PDL=cfg["USE_PDL"],
-                          EARLY_INDEX_LOADS=self.early_index_loads and cfg["USE_PDL"],
-                          # A forced configuration may ask for 64-bit offsets, never for 32 where they do not fit.
-                          INDEX_BITS=max(cfg.get("INDEX_BITS", 32), _index_bits(T, self.p.num_heads, cfg, self.max_index_32)))  # fmt: skip
+                          EARLY_INDEX_LOADS=self.early_index_loads and cfg["USE_PDL"])  # fmt: skip
         constexprs = {name: constexprs[name] for name in self.constexpr_names}
         values = tuple(constexprs.values())
         n_cache = _cdiv(T, cfg["BLOCK_T"])

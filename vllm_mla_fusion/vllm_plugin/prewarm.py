@@ -16,9 +16,7 @@ cache row is written, no input is modified, and the extra memory is a few
 rows (the profile run measures peak memory). The scratch cache has the
 block size vLLM has settled by the profile run (a constexpr of the kernel:
 one variant per block size) and the calls go through the bound ops the layer's
-steps call (their early-index-loads promise, another constexpr, included); a step
-count whose token offsets pass 32 bits has variants of its own (``INDEX_BITS``),
-compiled here when ``max_num_batched_tokens`` reaches it. Both
+steps call (their early-index-loads promise, another constexpr, included). Both
 modes compile here: a decode-mode layer from its attention op, a
 rope_cache-mode layer from ``rope_kv_cache_update``
 (``custom_ops.prewarm_in_profile_run``).
@@ -98,10 +96,7 @@ def kernels(attn, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor
     for op, args in calls.items():
         p = Problem(1, H, L, R, cache_dtype, nope_dim=P)
         bound = attn._bound_ops.get(op, kvd, is_neox)  # the ops the layer's steps call
-        # The scratch tensors have the real ones' strides: the same token counts past which the
-        # steps take 64-bit offsets (a variant of its own, compiled here too where the steps reach it).
-        max_index_32 = triton_backend.max_token_index_32(*args[1:4], *args[8:10])
-        for cfg in triton_backend.launch_configs(p, op, device, max_tokens, max_index_32):
+        for cfg in triton_backend.launch_configs(p, op, device, max_tokens):
             with triton_backend.forced_launch_config(cfg):
                 bound(*args)
             launched += 1
