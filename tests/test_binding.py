@@ -250,17 +250,16 @@ def test_the_public_ops_never_promise_early_index_loads(monkeypatch):
     dependent launch, simulated here) their launches read nothing before the grid-dependency
     wait. A BoundOps made with the promise (the vLLM plugin's) hands it to every launch."""
     import vllm_mla_fusion as mla
-    from vllm_mla_fusion import ops
     from vllm_mla_fusion.backends import triton as tb
 
-    ops._BOUND.clear()
+    binding._SHARED.clear()
     c = make_case(T=5, H=2, strided=False, seed=51)
     mla.mla_rope_cache_write(*c.rope_args(), backend="triton")
     c = make_case(T=5, H=2, strided=False, decode=True, seed=52)
     mla.mla_decode_rope_cache_write(*c.decode_args(), backend="triton")
     c = make_case(T=5, H=2, strided=False, prefill=True, seed=53)
     mla.mla_prefill_rope_cache_write(*c.prefill_args(), backend="triton")
-    public = [bound for table in ops._BOUND.values() for bound in table._ops.values()]
+    public = [bound for table in binding._SHARED.values() for bound in table._ops.values()]
     assert len(public) == 3 and not any(bound.early_index_loads for bound in public)
     promised = binding.BoundOps("triton", early_index_loads=True)
     for op, args, kind in ((OP_ROPE_CACHE, _rope_args, {}), (OP_DECODE, _decode_args, dict(decode=True)),

@@ -9,7 +9,7 @@ import torch
 from torch.library import opcheck
 
 import vllm_mla_fusion as mla
-from vllm_mla_fusion import dispatch, environment
+from vllm_mla_fusion import binding, dispatch, environment
 
 from .conftest import OP_BACKENDS
 from .mla_cases import make_case
@@ -152,7 +152,7 @@ def test_forced_backend_runs_that_backend(monkeypatch):
     """VLLM_MLA_FUSION_BACKEND really selects the implementation (no silent fallback)."""
     # The public ops keep their BoundOps (and the sites they bound) for the process: start from none,
     # so that this layout is bound here, through the wrapped backends, whatever ran before.
-    monkeypatch.setattr(mla.ops, "_BOUND", {})
+    monkeypatch.setattr(binding, "_SHARED", {})
     calls = []
     for name in OP_BACKENDS:
         module = dispatch.load(name)

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import vllm_mla_fusion as mla
-from vllm_mla_fusion import dispatch, fp8
+from vllm_mla_fusion import binding, dispatch, fp8
 from vllm_mla_fusion.backends import aiter as aiter_backend
 from vllm_mla_fusion.validation import Problem
 
@@ -405,7 +405,7 @@ def test_rejects_a_latent_not_in_whole_groups(L):
 def test_mi300_fp8_is_refused(monkeypatch):
     """On gfx94x vLLM's writer stores e4m3fnuz with a divisor of 224: not this format."""
     monkeypatch.setattr(fp8, "platform_fp8_e4m3", lambda device: torch.float8_e4m3fnuz)
-    monkeypatch.setattr(mla.ops, "_BOUND", {})  # no layout bound by an earlier test: validated afresh
+    monkeypatch.setattr(binding, "_SHARED", {})  # no layout bound by an earlier test: validated afresh
     case = DsCase(T=3, block_size=7, seed=9)
     with pytest.raises(ValueError, match="'fp8_ds_mla' is not implemented on cpu"):
         case.call(case.q_pe, case.k_pe, case.kv_cache, "fp8_ds_mla")

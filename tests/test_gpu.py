@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import vllm_mla_fusion as mla
-from vllm_mla_fusion import ops
+from vllm_mla_fusion import binding
 
 pytest.importorskip("triton", reason="the GPU tests run the Triton kernel")
 import triton  # noqa: E402
@@ -221,7 +221,7 @@ def test_direct_launch_reuses_binaries_only_when_safe(op, monkeypatch):
     what Triton specializes on (1, a multiple of 16, neither), and read-only inputs moved off
     16-byte alignment with their strides kept. Each call must match the reference; a binary
     compiled for aligned pointers, reused for misaligned ones, would fail here."""
-    ops._BOUND.clear()
+    binding._SHARED.clear()
     direct = []
     original = triton_backend.BoundLaunch._launch
     monkeypatch.setattr(triton_backend.BoundLaunch, "_launch", lambda *a: (direct.append(1), original(*a))[1])

@@ -192,9 +192,9 @@ class BoundOp:
 
 
 class BoundOps:
-    """The BoundOps of one owner (the vLLM plugin's layers, the public ops, a module), made on first
-    use per flag set, all with the same backend, debug mode and ``early_index_loads`` promise
-    (module docstring), fixed when the owner is built."""
+    """BoundOps made on first use per flag set, all with the same backend, debug mode and
+    ``early_index_loads`` promise (module docstring), fixed when they are made. Owners take the
+    process's set for their setting (``shared_ops``)."""
 
     def __init__(self, backend: str = "auto", debug: bool = False, early_index_loads: bool = False) -> None:
         self.backend, self.debug, self.early_index_loads = backend, debug, early_index_loads
@@ -208,3 +208,21 @@ class BoundOps:
                                              is_nope_first=is_nope_first, backend=self.backend,
                                              debug=self.debug, early_index_loads=self.early_index_loads)  # fmt: skip
         return bound
+
+
+# The process's BoundOps, one set per (backend, debug mode, promise), shared by every owner with that
+# setting: the public ops (per backend asked for and debug mode, read per call) and the vLLM plugin's
+# fused layers (fixed when each layer is built). A bound layout's site depends only on its BoundOp's
+# flags and the layout (the reuse rule above), so owners of one setting share each site with its
+# launch plans (one per token count) and compiled kernels: a model's MLA layers plan a step whose
+# token count is new once, not once per layer (6-12 us of host time each on a 2-core CPU).
+_SHARED: dict[tuple[str, bool, bool], BoundOps] = {}
+
+
+def shared_ops(backend: str = "auto", debug: bool = False, early_index_loads: bool = False) -> BoundOps:
+    """The process's BoundOps for this backend, debug mode and ``early_index_loads`` promise."""
+    setting = (backend, debug, early_index_loads)
+    ops = _SHARED.get(setting)
+    if ops is None:
+        ops = _SHARED[setting] = BoundOps(*setting)
+    return ops

@@ -21,8 +21,8 @@ through the dispatcher. ``torch.library.custom_op`` would add its Python autogra
 in-place wrappers to every call (tens of microseconds on a GPU host), which an
 inference op never needs.
 
-The vLLM plugin does not come through here: its fused layers share BoundOps of their own
-(vllm_plugin/custom_ops.py, layer_bound_ops), bound with the early-index-loads promise.
+The vLLM plugin does not come through here: its fused layers share the BoundOps of their setting
+(binding.shared_ops, from vllm_plugin/custom_ops.py), bound with the early-index-loads promise.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from types import SimpleNamespace
 import torch
 
 from . import dispatch, validation
-from .binding import BoundOp, BoundOps
+from .binding import BoundOp, shared_ops
 from .opcodes import OP_DECODE, OP_PREFILL, OP_ROPE_CACHE
 from .validation import argument_types_ok, check_argument_types
 
@@ -43,19 +43,12 @@ NAMESPACE = "mla_fusion"
 # The ops' lifetime is the library object's: kept for the process.
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 
-# (backend asked for, debug mode) -> the public ops' BoundOps for that setting
-_BOUND: dict[tuple[str, bool], BoundOps] = {}
-
-
 def bound_op(op: int, is_neox: bool, kv_cache_dtype: str, is_nope_first: bool, backend: str | None) -> BoundOp:
     """The BoundOp a public call runs through. The backend named by the keyword or
     ``VLLM_MLA_FUSION_BACKEND`` and ``VLLM_MLA_FUSION_DEBUG`` are read per call here (users
     and tests change them between calls); the plugin's BoundOps read them once."""
-    setting = (dispatch.requested_backend(backend), validation.debug_enabled())
-    table = _BOUND.get(setting)
-    if table is None:
-        table = _BOUND[setting] = BoundOps(*setting)
-    return table.get(op, kv_cache_dtype, is_neox, is_nope_first)
+    ops = shared_ops(dispatch.requested_backend(backend), validation.debug_enabled())
+    return ops.get(op, kv_cache_dtype, is_neox, is_nope_first)
 
 
 def mla_rope_cache_write(

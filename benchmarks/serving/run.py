@@ -574,7 +574,7 @@ class Benchmark:
                   for m in range(len(measured))]  # fmt: skip
         turns += [(p, len(before) + self.rounds * len(measured) + m) for p in range(n) for m in range(len(after))]
         self.state["plan"] = {"interleave": self.rounds, "asked": a.interleave, "servers": [s.name for s in sides],
-                              "turns": [(p, j) for p, j in turns]}  # fmt: skip
+                              "turns": list(turns)}  # fmt: skip
         log(f"plan: {json.dumps(self.state['plan'])}")
         if self.rounds < a.interleave:
             self.skipped.append(f"--interleave {a.interleave}: {self.rounds} round(s) fit the time left")

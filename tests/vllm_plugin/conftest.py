@@ -32,11 +32,11 @@ PLUGIN_ENV = ("VLLM_MLA_FUSION", "VLLM_MLA_FUSION_DECODE", "VLLM_MLA_FUSION_DEBU
 def _clean_plugin_env(monkeypatch):
     for name in PLUGIN_ENV:
         monkeypatch.delenv(name, raising=False)
-    # The fused layers' bound ops are shared by every layer of the process (custom_ops.layer_bound_ops):
+    # The fused layers' bound ops are shared by every layer of the process (binding.shared_ops):
     # each test starts from none, as a fresh process does, so that what it counts is its own.
-    custom_ops = sys.modules.get("vllm_mla_fusion.vllm_plugin.custom_ops")
-    if custom_ops is not None:
-        monkeypatch.setattr(custom_ops, "_LAYER_OPS", {})
+    binding = sys.modules.get("vllm_mla_fusion.binding")
+    if binding is not None:
+        monkeypatch.setattr(binding, "_SHARED", {})
 
 
 @pytest.fixture(scope="session")

@@ -159,7 +159,7 @@ class FusedMLAAttention(MLAAttention):
     _decode_assembles_query: bool  # op 2 builds [ql_nope | rope(q_pe)]; else op 1 rotates the decode rows
     _graph_rope: bool  # piecewise-graph steps run op 1 inside the graph (custom_ops.piecewise_rope_kv_cache_update)
     # The ops the layer calls, shared with every fused layer built with the same backend and
-    # VLLM_MLA_FUSION_DEBUG (custom_ops.layer_bound_ops), both fixed when it was built; keyed by
+    # VLLM_MLA_FUSION_DEBUG (binding.shared_ops), both fixed when it was built; keyed by
     # the cache format too, since profile runs write through a scratch cache ("auto").
     _bound_ops: BoundOps
 

@@ -38,7 +38,7 @@ from vllm.utils.torch_utils import LayerNameType, _resolve_layer_name, direct_re
 from vllm.v1.worker.utils import select_common_block_size
 
 from .. import validation
-from ..binding import BoundOps
+from ..binding import shared_ops
 from ..opcodes import OP_ROPE_CACHE
 from . import prewarm
 from .settings import ENV_PREWARM, env_enabled
@@ -88,33 +88,15 @@ def write_target(
     return scratch, slots, "auto"
 
 
-# The fused layers' BoundOps, one per (backend, debug mode, promise) for the process. A bound
-# layout's site depends only on its BoundOp's flags and the layout (binding.py's reuse rule), which
-# a model's MLA layers share, so they share each site with its launch plans (one per token count)
-# and compiled kernels. Per layer, a step whose token count is new (most steps that admit a prompt)
-# rebuilt the same plan in every layer (6-12 us of host time each on a 2-core CPU), and each
-# layer's first launch of a configuration took Triton's own launch path.
-_LAYER_OPS: dict[tuple[str, bool, bool], BoundOps] = {}
-
-
-def layer_bound_ops(backend: str, debug: bool) -> BoundOps:
-    """The BoundOps every fused layer built with this backend and debug mode calls through."""
-    setting = (backend, debug, EARLY_INDEX_LOADS)
-    ops = _LAYER_OPS.get(setting)
-    if ops is None:
-        ops = _LAYER_OPS[setting] = BoundOps(*setting)
-    return ops
-
-
 def bind_layer_ops(attn: torch.nn.Module, backend: str, cache_config) -> None:
     """Give a fused layer its ops, in either mode (``_bound_ops``: a rope_cache-mode layer, vLLM's
     own MLAAttention, uses them through ``rope_kv_cache_update``; a decode-mode layer from its
     attention op too): backend and debug mode fixed when the layer is built, layouts validated
-    once for all the layers (layer_bound_ops); early index loads as EARLY_INDEX_LOADS says.
+    once for all the layers (binding.shared_ops); early index loads as EARLY_INDEX_LOADS says.
     ``cache_config`` is vLLM's, whose block size the profile run reads to compile the variants
     ahead (``_prewarm_cache_config``; None for the torch backend, which compiles nothing, or with
     VLLM_MLA_FUSION_PREWARM=0)."""
-    attn._bound_ops = layer_bound_ops(backend, validation.debug_enabled())
+    attn._bound_ops = shared_ops(backend, validation.debug_enabled(), EARLY_INDEX_LOADS)
     attn._prewarm_cache_config = cache_config if backend != "torch" and env_enabled(ENV_PREWARM) else None
 
 
