@@ -677,6 +677,12 @@ MUTANTS = [
            "    half = (_T95[len(logs) - 2] if len(logs) <= 31 else 1.96) * statistics.stdev(logs)",
            "tests/benchmarks/serving/test_report.py -k safe_side",
            "past 31 rounds the normal's 1.96 for t: the interval too narrow"),
+    Mutant("op3-no-barrier-before-in-place-rotation", K,
+           "    if meta.OP == OP_PREFILL:\n        tl.debug_barrier()",
+           "    if meta.OP == OP_ROPE_CACHE:\n        tl.debug_barrier()",
+           "tests/backends/test_triton_cuda_compile.py -k op_3_loads_every",
+           "op 3's warps store the key from their own k_pe copies while one warp rotates k_pe in place: "
+           "a warp running behind rotates twice"),
     Mutant("query-rows-int32", K,
            "    rows = index.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)",
            "    rows = index * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)",

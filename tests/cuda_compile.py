@@ -84,6 +84,8 @@ GLOBAL_LOAD = re.compile(r"^\s*(?:@!?%p\d+\s+)?ld\.global", re.M)
 # splat / broadcast / addptr goes back through first operands to the kernel argument), and a load.
 TTIR_DEF = re.compile(r"^\s*(%\w+) = [\w.]+ (%\w+)")
 TTIR_LOAD = re.compile(r"^\s*%\w+ = tt\.load (%\w+)")
+# A CTA barrier (tl.debug_barrier): gpu.barrier in Triton 3.6's IR, ttg.barrier in 3.8's.
+TTIR_BARRIER = re.compile(r"^\s*(?:gpu\.barrier|ttg\.barrier)\b")
 
 
 def _split_if(lines: list[str], start: int) -> tuple[list[str], list[str], int]:
@@ -105,8 +107,8 @@ def _split_if(lines: list[str], start: int) -> tuple[list[str], list[str], int]:
 
 
 def load_order(ttir: str) -> dict[str, list[str]]:
-    """The kernel argument each ``tl.load`` reads, in program order, and ``"wait"`` where
-    ``griddepcontrol.wait`` comes: before the program kinds split (``entry``), in the cache
+    """The kernel argument each ``tl.load`` reads, in program order, ``"barrier"`` where a CTA
+    barrier comes and ``"wait"`` where ``griddepcontrol.wait`` comes: before the program kinds split (``entry``), in the cache
     programs (``cache``, the kernel's first ``scf.if``) and in the query programs (``query``, its
     else). A program compiled twice, for a power-of-two scale and for any other (a nested
     ``scf.if`` after the scale's load), counts once: the two copies' orders must be the same."""
@@ -130,6 +132,8 @@ def load_order(ttir: str) -> dict[str, list[str]]:
                 continue
             if "griddepcontrol.wait" in line:
                 out.append("wait")
+            if TTIR_BARRIER.match(line):
+                out.append("barrier")
             m = TTIR_LOAD.match(line)
             if m:
                 name = m.group(1)

@@ -104,3 +104,19 @@ def test_index_and_table_loads_come_before_the_wait_only_where_promised(compiled
             assert loads.count("wait") == 1
         else:
             assert "wait" not in loads and loads.index(ROPE_INPUT[program]) < loads.index("cos_sin_ptr"), loads
+
+
+@pytest.mark.parametrize("v", VARIANTS, ids=lambda v: f"{v.op}-{v.label}")
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_op_3_loads_every_warps_tile_before_rotating_k_pe_in_place(compiled, arch, v):
+    """Op 3's cache programs store the key's rope part from every warp's own copy of the k_pe tile
+    while one warp rotates k_pe in place: a CTA barrier after the tile's last load, before any
+    store (backends/triton.py, _cache_program). Ops 1 and 2 store only from the owning warp and
+    pay for no barrier; the query programs have none either."""
+    order = compiled[(arch, v.op, v.label)]["load_order"]
+    assert "barrier" not in order["entry"] + order["query"], order
+    cache = order["cache"]
+    if v.op == "prefill":
+        assert cache.count("barrier") == 1 and cache[-1] == "barrier" and "k_pe_ptr" in cache, cache
+    else:
+        assert "barrier" not in cache, cache

@@ -575,7 +575,13 @@ def _cache_program(pid, rope, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SC
     A slot past the cache (a scheduler or connector bug, a stale mapping under graph
     padding) costs its row, never a write into whatever memory follows the cache.
     This program is the only one that reads or writes k_pe, which is what makes the
-    in-place rotation safe while op 3's key rows need the un-rotated value.
+    in-place rotation safe while op 3's key rows need the un-rotated value. Within the program,
+    op 3 waits for all its warps' loads before any store (a CTA barrier): the rotated k_pe is
+    stored by the warp that owns each element, but the key's rope part, broadcast over heads, is
+    stored by every warp from its own copy of the k_pe tile (a tile of one or two tokens has fewer
+    elements than the program has threads, so each warp holds all of it); without the barrier a
+    warp running behind could load k_pe after another warp had rotated it in place, and rotate it
+    again for its heads.
 
     A tile's loads are issued before any of its stores (_cache_tile_loads, then
     _cache_tile_stores; latent columns past the first 512 excepted, loaded as they are stored):
@@ -586,6 +592,8 @@ def _cache_program(pid, rope, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SC
     optimisation log, row 28.)
     """
     tile = _cache_tile_loads(pid, rope, k_pe, kv_c, cache, sizes, dims, meta, POW2_SCALE)
+    if meta.OP == OP_PREFILL:
+        tl.debug_barrier()  # every warp's k_pe loaded before any warp rotates it in place (above)
     _cache_tile_stores(tile, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SCALE)
 
 
