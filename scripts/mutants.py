@@ -683,6 +683,13 @@ MUTANTS = [
            "tests/backends/test_triton_cuda_compile.py -k op_3_loads_every",
            "op 3's warps store the key from their own k_pe copies while one warp rotates k_pe in place: "
            "a warp running behind rotates twice"),
+    Mutant("op3-barrier-after-the-stores", K,
+           "    if meta.OP == OP_PREFILL:\n        tl.debug_barrier()  # every warp's k_pe loaded before any warp rotates it in place (above)\n"
+           "    _cache_tile_stores(tile, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SCALE)\n",
+           "    _cache_tile_stores(tile, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SCALE)\n"
+           "    if meta.OP == OP_PREFILL:\n        tl.debug_barrier()  # every warp's k_pe loaded before any warp rotates it in place (above)\n",
+           "tests/backends/test_triton_cuda_compile.py -k op_3_loads_every",
+           "op 3's barrier after the stores it must precede: a warp running behind still rotates twice"),
     Mutant("query-rows-int32", K,
            "    rows = index.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)",
            "    rows = index * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)",
@@ -695,7 +702,7 @@ MUTANTS = [
            "cache programs' tokens indexed in 32 bits: op 3's key rows past 2**31 elements wrap"),
     Mutant("layer-ops-per-layer", "vllm_mla_fusion/vllm_plugin/custom_ops.py",
            "    attn._bound_ops = shared_ops(backend, validation.debug_enabled(), EARLY_INDEX_LOADS)",
-           "    attn._bound_ops = BoundOps(backend, validation.debug_enabled(), early_index_loads=EARLY_INDEX_LOADS)",
+           "    attn._bound_ops = shared_ops.__globals__['BoundOps'](backend, validation.debug_enabled(), EARLY_INDEX_LOADS)",
            "tests/vllm_plugin/test_layer.py -k share_their_launch_plans",
            "each fused layer binds its own ops: a step's new token count builds its launch plan in every layer"),
 ]  # fmt: skip

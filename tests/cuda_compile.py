@@ -84,8 +84,9 @@ GLOBAL_LOAD = re.compile(r"^\s*(?:@!?%p\d+\s+)?ld\.global", re.M)
 # splat / broadcast / addptr goes back through first operands to the kernel argument), and a load.
 TTIR_DEF = re.compile(r"^\s*(%\w+) = [\w.]+ (%\w+)")
 TTIR_LOAD = re.compile(r"^\s*%\w+ = tt\.load (%\w+)")
-# A CTA barrier (tl.debug_barrier): gpu.barrier in Triton 3.6's IR, ttg.barrier in 3.8's.
+# A CTA barrier (tl.debug_barrier): gpu.barrier in Triton 3.6's IR, ttg.barrier in 3.8's; a store.
 TTIR_BARRIER = re.compile(r"^\s*(?:gpu\.barrier|ttg\.barrier)\b")
+TTIR_STORE = re.compile(r"^\s*tt\.store (%\w+)")
 
 
 def _split_if(lines: list[str], start: int) -> tuple[list[str], list[str], int]:
@@ -108,7 +109,8 @@ def _split_if(lines: list[str], start: int) -> tuple[list[str], list[str], int]:
 
 def load_order(ttir: str) -> dict[str, list[str]]:
     """The kernel argument each ``tl.load`` reads, in program order, ``"barrier"`` where a CTA
-    barrier comes and ``"wait"`` where ``griddepcontrol.wait`` comes: before the program kinds split (``entry``), in the cache
+    barrier comes, ``"store"`` where a ``tl.store`` does and ``"wait"`` where
+    ``griddepcontrol.wait`` comes: before the program kinds split (``entry``), in the cache
     programs (``cache``, the kernel's first ``scf.if``) and in the query programs (``query``, its
     else). A program compiled twice, for a power-of-two scale and for any other (a nested
     ``scf.if`` after the scale's load), counts once: the two copies' orders must be the same."""
@@ -134,6 +136,8 @@ def load_order(ttir: str) -> dict[str, list[str]]:
                 out.append("wait")
             if TTIR_BARRIER.match(line):
                 out.append("barrier")
+            if TTIR_STORE.match(line):
+                out.append("store")
             m = TTIR_LOAD.match(line)
             if m:
                 name = m.group(1)

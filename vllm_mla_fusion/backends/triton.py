@@ -577,11 +577,12 @@ def _cache_program(pid, rope, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SC
     This program is the only one that reads or writes k_pe, which is what makes the
     in-place rotation safe while op 3's key rows need the un-rotated value. Within the program,
     op 3 waits for all its warps' loads before any store (a CTA barrier): the rotated k_pe is
-    stored by the warp that owns each element, but the key's rope part, broadcast over heads, is
-    stored by every warp from its own copy of the k_pe tile (a tile of one or two tokens has fewer
-    elements than the program has threads, so each warp holds all of it); without the barrier a
-    warp running behind could load k_pe after another warp had rotated it in place, and rotate it
-    again for its heads.
+    stored by the warps that own its elements, but the key's rope part, broadcast over heads, is
+    stored by every warp from its own copy of the k_pe tile (a tile of one or two tokens is held
+    whole by every warp); without the barrier a warp running behind could load k_pe after another
+    warp had rotated it in place, and rotate it again for its heads. Op 1 stores its cache rows'
+    rope part from the same tile, in the same layout, so the warps that rotate an element in place
+    are the ones that store it: no barrier there.
 
     A tile's loads are issued before any of its stores (_cache_tile_loads, then
     _cache_tile_stores; latent columns past the first 512 excepted, loaded as they are stored):
