@@ -43,6 +43,7 @@ NAMESPACE = "mla_fusion"
 # The ops' lifetime is the library object's: kept for the process.
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 
+
 def bound_op(op: int, is_neox: bool, kv_cache_dtype: str, is_nope_first: bool, backend: str | None) -> BoundOp:
     """The BoundOp a public call runs through. The backend named by the keyword or
     ``VLLM_MLA_FUSION_BACKEND`` and ``VLLM_MLA_FUSION_DEBUG`` are read per call here (users
