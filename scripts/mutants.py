@@ -677,19 +677,33 @@ MUTANTS = [
            "    half = (_T95[len(logs) - 2] if len(logs) <= 31 else 1.96) * statistics.stdev(logs)",
            "tests/benchmarks/serving/test_report.py -k safe_side",
            "past 31 rounds the normal's 1.96 for t: the interval too narrow"),
-    Mutant("op3-no-barrier-before-in-place-rotation", K,
-           "    if meta.OP == OP_PREFILL:\n        tl.debug_barrier()",
-           "    if meta.OP == OP_ROPE_CACHE:\n        tl.debug_barrier()",
-           "tests/backends/test_triton_cuda_compile.py -k op_3_loads_every",
+    Mutant("in-place-barrier-op-3-only", K,
+           "    if OP != OP_DECODE:\n        tl.debug_barrier()",
+           "    if OP == OP_PREFILL:\n        tl.debug_barrier()",
+           "tests/backends/test_triton_cuda_compile.py -k every_warp_loads_before",
+           "op 1 rotates k_pe and q_pe in place with no barrier: safe only while the compiler keeps "
+           "the stores in the loads' layouts"),
+    Mutant("in-place-barrier-op-1-only", K,
+           "    if OP != OP_DECODE:\n        tl.debug_barrier()",
+           "    if OP == OP_ROPE_CACHE:\n        tl.debug_barrier()",
+           "tests/backends/test_triton_cuda_compile.py -k every_warp_loads_before",
            "op 3's warps store the key from their own k_pe copies while one warp rotates k_pe in place: "
            "a warp running behind rotates twice"),
-    Mutant("op3-barrier-after-the-stores", K,
-           "    if meta.OP == OP_PREFILL:\n        tl.debug_barrier()  # every warp's k_pe loaded before any warp rotates it in place (above)\n"
+    Mutant("cache-barrier-after-the-stores", K,
+           "    _loads_before_in_place_stores(meta.OP)\n"
            "    _cache_tile_stores(tile, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SCALE)\n",
            "    _cache_tile_stores(tile, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SCALE)\n"
-           "    if meta.OP == OP_PREFILL:\n        tl.debug_barrier()  # every warp's k_pe loaded before any warp rotates it in place (above)\n",
-           "tests/backends/test_triton_cuda_compile.py -k op_3_loads_every",
-           "op 3's barrier after the stores it must precede: a warp running behind still rotates twice"),
+           "    _loads_before_in_place_stores(meta.OP)\n",
+           "tests/backends/test_triton_cuda_compile.py -k every_warp_loads_before",
+           "the cache programs' barrier after the stores it must precede: a warp running behind still "
+           "rotates twice"),
+    Mutant("query-no-barrier", K,
+           "    _loads_before_in_place_stores(meta.OP)\n"
+           "    _query_tile_stores(tile, q_pe, nope, out, dims, meta, POW2_SCALE)\n",
+           "    _query_tile_stores(tile, q_pe, nope, out, dims, meta, POW2_SCALE)\n",
+           "tests/backends/test_triton_cuda_compile.py -k every_warp_loads_before",
+           "the query programs rotate q_pe in place with no barrier: two rows of q_pe are held by "
+           "several warps at once"),
     Mutant("query-rows-int32", K,
            "    rows = index.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)",
            "    rows = index * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)",

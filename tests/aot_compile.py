@@ -47,6 +47,7 @@ OPS = {
     "prefill": dict(T=4096, H=16),
 }
 DSV3 = dict(L=512, R=64)
+SMALL_BATCH = (20, 16)  # (T, H): one token per cache tile, two rows per query tile on an H100
 OP_NAMES = {"rope_cache_write": "op 1", "decode": "op 2", "prefill": "op 3"}
 BLOCKS = ("BLOCK_T", "BLOCK_ROWS", "BLOCK_H", "num_warps")  # a launch configuration's blocks
 
@@ -62,11 +63,14 @@ class Variant:
     out: str | None = None  # q_out (op 2) or k_out (op 3) dtype
     out_scale: bool = False  # q_scale (op 2)
     early: bool = False  # bound with binding.py's early_index_loads promise (the vLLM plugin's launches)
+    shape: tuple[int, int] | None = None  # (T, H) in place of the op's OPS shape
 
     @property
     def label(self) -> str:
         cache = f"{self.cache}{' /scale' if self.cache_scale else ''}"
         early = ", early index loads" if self.early else ""
+        if self.shape is not None:
+            early += ", T={} H={}".format(*self.shape)
         if self.out is None:
             return f"cache {cache}{early}"
         name = "q_out" if self.op == "decode" else "k_out"
@@ -93,6 +97,15 @@ def variants() -> list[Variant]:
                         Variant(op, "bfloat16", f, True, "bfloat16")]  # fmt: skip
             else:  # the prefill key has no scale
                 out += [Variant(op, "bfloat16", f, True, f), Variant(op, "bfloat16", f, True, "bfloat16")]
+    # The smallest tiles the host picks, where several warps hold a whole tile at once (a warp
+    # racing ahead could store into what another has yet to load: backends/triton.py,
+    # _loads_before_in_place_stores): ops 1 and 3 on few tokens (one token per cache tile, two rows
+    # per query tile) and op 3 at 128 heads (one token per cache tile at any batch), with a plain
+    # store and with the bit encoder's.
+    for op, shape in (("rope_cache_write", SMALL_BATCH), ("prefill", SMALL_BATCH), ("prefill", (4096, 128))):
+        for cache in ("bfloat16", "float8_e4m3fnuz"):
+            out.append(Variant(op, "bfloat16", cache, cache in FP8, None if op == "rope_cache_write" else cache,
+                               shape=shape))  # fmt: skip
     return out
 
 
@@ -128,7 +141,8 @@ def capture_launch(machine, v: Variant):
     from .mla_cases import make_case
 
     dt = {name: getattr(torch, name) for name in ("bfloat16", "float16", "float32", *FP8)}
-    kw = dict(OPS[v.op], **DSV3, act_dtype=dt[v.act], cs_dtype=torch.float32, cache_dtype=dt[v.cache],
+    shape = OPS[v.op] if v.shape is None else dict(zip("TH", v.shape))
+    kw = dict(shape, **DSV3, act_dtype=dt[v.act], cs_dtype=torch.float32, cache_dtype=dt[v.cache],
               scale=0.5 if v.cache_scale else None, seed=0)  # fmt: skip
     if v.op == "decode":
         kw.update(decode=True, q_out_dtype=dt[v.out], q_scale=0.7 if v.out_scale else None)

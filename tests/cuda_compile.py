@@ -109,13 +109,18 @@ def _split_if(lines: list[str], start: int) -> tuple[list[str], list[str], int]:
 
 def load_order(ttir: str) -> dict[str, list[str]]:
     """The kernel argument each ``tl.load`` reads, in program order, ``"barrier"`` where a CTA
-    barrier comes, ``"store"`` where a ``tl.store`` does and ``"wait"`` where
+    barrier comes, ``"store ARG"`` where a ``tl.store`` into argument ARG does and ``"wait"`` where
     ``griddepcontrol.wait`` comes: before the program kinds split (``entry``), in the cache
     programs (``cache``, the kernel's first ``scf.if``) and in the query programs (``query``, its
     else). A program compiled twice, for a power-of-two scale and for any other (a nested
     ``scf.if`` after the scale's load), counts once: the two copies' orders must be the same."""
     lines = ttir.splitlines()
     first = {}
+
+    def root(name: str) -> str:
+        while name in first:
+            name = first[name]
+        return name.lstrip("%")
 
     def order(region: list[str]) -> list[str]:
         out, i = [], 0
@@ -136,14 +141,12 @@ def load_order(ttir: str) -> dict[str, list[str]]:
                 out.append("wait")
             if TTIR_BARRIER.match(line):
                 out.append("barrier")
-            if TTIR_STORE.match(line):
-                out.append("store")
+            s = TTIR_STORE.match(line)
+            if s:
+                out.append(f"store {root(s.group(1))}")
             m = TTIR_LOAD.match(line)
             if m:
-                name = m.group(1)
-                while name in first:
-                    name = first[name]
-                out.append(name.lstrip("%"))
+                out.append(root(m.group(1)))
             i += 1
         return out
 
@@ -196,7 +199,7 @@ def markdown(results: list[dict]) -> str:
     import triton
 
     intro = (f"Triton {triton.__version__}, DeepSeek-V3 shapes (L 512, R 64; op 1 and 3: T 4096, H 16; op 2: "
-             "T 64, H 128), 4 warps. Registers: per thread (ptxas); spills: bytes stored and loaded; PTX: "
+             "T 64, H 128; where the formats name a T and H, those), 4 warps. Registers: per thread (ptxas); spills: bytes stored and loaded; PTX: "
              "the first 16 hex digits of its sha256.")  # fmt: skip
     return aot.table(results, intro, {
         "registers": lambda r: r["regs"], "spills": lambda r: r["spill_stores"] + r["spill_loads"],

@@ -90,7 +90,7 @@ def markdown(results: list[dict]) -> str:
     import triton
 
     intro = (f"Triton {triton.__version__}, DeepSeek-V3 shapes (L 512, R 64; op 1 and 3: T 4096, H 16; op 2: "
-             "T 64, H 128), 4 warps of 64 lanes. VGPR/SGPR: registers per lane / per wave (`NumVgprs`, "
+             "T 64, H 128; where the formats name a T and H, those), 4 warps of 64 lanes. VGPR/SGPR: registers per lane / per wave (`NumVgprs`, "
              "`TotalNumSgprs`); LDS: bytes per workgroup (layout conversions); occupancy: waves per SIMD "
              "(LLVM's estimate). Cache and query programs are two branches of one kernel, so the counts are "
              "the kernel's. fp8 cvt: the hardware conversions in the code (none: Triton's bit encoder).")  # fmt: skip

@@ -566,6 +566,25 @@ def _mla_rope_cache(rope, q_pe, k_pe, kv_c, cache, nope, out, sizes, dims, meta)
 
 
 @triton.jit
+def _loads_before_in_place_stores(OP: tl.constexpr):
+    """Where a program rotates its input in place (ops 1 and 3: k_pe in the cache programs, q_pe in
+    the query programs), a CTA barrier between the tile's loads and its stores: no warp stores
+    before every warp has loaded.
+
+    A small tile is held whole by several warps at once (one or two tokens of k_pe, two rows of
+    q_pe, on 4 warps), and a store is made by one warp holding the element, not by every warp
+    that loaded it. Without the barrier a warp running behind can load an element that another
+    warp has already rotated in place, and store what it derives from it: op 3's key rows, which
+    every warp stores for its heads from its own copy of the k_pe tile, came out rotated twice on
+    an H100 (docs/performance-history.md, optimisation log, row 34). Op 1's stores happened to be
+    safe without it (the same layout as their loads, or a layout conversion whose shared-memory
+    round trip synchronizes the warps), but only as long as the compiler keeps choosing such
+    layouts; the barrier makes it so on any compiler. Op 2 writes only tensors it does not read."""
+    if OP != OP_DECODE:
+        tl.debug_barrier()
+
+
+@triton.jit
 def _cache_program(pid, rope, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SCALE: tl.constexpr):
     """A tile of BLOCK_T tokens (tile ``pid``): rotate k_pe (in place for ops 1
     and 3), write [kv_c | rope(k_pe)] at each slot in [0, num_slots); op 3 also writes rope(k_pe)
@@ -576,13 +595,7 @@ def _cache_program(pid, rope, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SC
     padding) costs its row, never a write into whatever memory follows the cache.
     This program is the only one that reads or writes k_pe, which is what makes the
     in-place rotation safe while op 3's key rows need the un-rotated value. Within the program,
-    op 3 waits for all its warps' loads before any store (a CTA barrier): the rotated k_pe is
-    stored by the warps that own its elements, but the key's rope part, broadcast over heads, is
-    stored by every warp from its own copy of the k_pe tile (a tile of one or two tokens is held
-    whole by every warp); without the barrier a warp running behind could load k_pe after another
-    warp had rotated it in place, and rotate it again for its heads. Op 1 stores its cache rows'
-    rope part from the same tile, in the same layout, so the warps that rotate an element in place
-    are the ones that store it: no barrier there.
+    ops 1 and 3 wait for all their warps' loads before any store (_loads_before_in_place_stores).
 
     A tile's loads are issued before any of its stores (_cache_tile_loads, then
     _cache_tile_stores; latent columns past the first 512 excepted, loaded as they are stored):
@@ -593,8 +606,7 @@ def _cache_program(pid, rope, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SC
     optimisation log, row 28.)
     """
     tile = _cache_tile_loads(pid, rope, k_pe, kv_c, cache, sizes, dims, meta, POW2_SCALE)
-    if meta.OP == OP_PREFILL:
-        tl.debug_barrier()  # every warp's k_pe loaded before any warp rotates it in place (above)
+    _loads_before_in_place_stores(meta.OP)
     _cache_tile_stores(tile, k_pe, kv_c, cache, key, sizes, dims, meta, POW2_SCALE)
 
 
@@ -708,6 +720,7 @@ def _query_program(pid, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCALE: tl
     ``POW2_SCALE``: the output's scale is a power of two, as in _cache_program. Loads before
     stores, as there."""
     tile = _query_tile_loads(pid, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCALE)
+    _loads_before_in_place_stores(meta.OP)
     _query_tile_stores(tile, q_pe, nope, out, dims, meta, POW2_SCALE)
 
 
