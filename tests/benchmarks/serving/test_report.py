@@ -264,3 +264,50 @@ def test_past_31_rounds_the_interval_stays_on_the_safe_side():
     exact_half = 2.023 * sd / 40**0.5
     assert math.log(got["high"] / got["geomean"]) == pytest.approx(2.042 * sd / 40**0.5)
     assert math.log(got["high"] / got["geomean"]) > exact_half
+
+
+def _round(server: int, value: float, per_message: float | None = None) -> dict:
+    record = {"server": server, "median_ttft_ms": value}
+    if per_message is not None:
+        record["host"] = {"tokens_per_message": per_message}
+    return record
+
+
+def test_host_bound_rounds_are_counted_and_the_others_paired_apart():
+    """Issue 40: a round in which either side's API server fell behind (more than 1.05 tokens per
+    streamed message) measures the host's lag as much as the plugin. The report counts those rounds
+    and pairs the others apart: here round 0 (on behind, ratio 2.0) and round 3 (off behind, 0.5)
+    are host-bound, rounds 1 and 2 (1.1 and 0.9) kept up."""
+    on = [_round(0, 200.0, 1.5), _round(2, 110.0, 1.0), _round(4, 90.0, 1.01), _round(6, 50.0, 1.0)]
+    off = [_round(1, 100.0, 1.0), _round(3, 100.0, 1.0), _round(5, 100.0), _round(7, 100.0, 1.8)]
+    paired = report._paired(on, off, "median_ttft_ms", 2, higher=False)
+    assert (paired["n"], paired["host_bound"], paired["worse"]) == (4, 2, 2)
+    kept = paired["kept_up"]
+    assert (kept["n"], kept["worse"], kept["min"], kept["max"]) == (2, 1, pytest.approx(0.9), pytest.approx(1.1))
+    assert kept["geomean"] == pytest.approx((1.1 * 0.9) ** 0.5)
+    comparison = {"side": "on", "against": "off", "metrics": {"median_ttft_ms": {"paired": paired}}}
+    lines = report._paired_lines([comparison])
+    text = "\n".join(lines)
+    assert "**Host-bound rounds** (on / off: 2 of 4)" in text
+    rows = [line for line in lines if line.startswith("| TTFT p50")]
+    assert len(rows) == 2 and "worse in 2 of 4" in rows[0] and "worse in 1 of 2" in rows[1]
+    assert f"geomean {(1.1 * 0.9) ** 0.5:.3f}" in rows[1]
+
+
+def test_a_run_with_every_round_host_bound_says_it_cannot_tell():
+    on = [_round(0, 120.0, 1.3), _round(2, 90.0, 1.0)]
+    off = [_round(1, 100.0, 1.0), _round(3, 100.0, 1.2)]
+    paired = report._paired(on, off, "median_ttft_ms", 2, higher=False)
+    assert paired["host_bound"] == 2 and "kept_up" not in paired
+    comparison = {"side": "on", "against": "off", "metrics": {"median_ttft_ms": {"paired": paired}}}
+    text = "\n".join(report._paired_lines([comparison]))
+    assert "every round was host-bound; this run cannot tell the plugin from the host" in text
+
+
+def test_rounds_whose_api_servers_kept_up_are_not_flagged():
+    on = [_round(0, 120.0, 1.0), _round(2, 90.0, 1.05)]  # 1.05: at the threshold, not past it
+    off = [_round(1, 100.0), _round(3, 100.0, 1.0)]
+    paired = report._paired(on, off, "median_ttft_ms", 2, higher=False)
+    assert paired["host_bound"] == 0 and "kept_up" not in paired
+    comparison = {"side": "on", "against": "off", "metrics": {"median_ttft_ms": {"paired": paired}}}
+    assert "Host-bound" not in "\n".join(report._paired_lines([comparison]))
