@@ -6,7 +6,8 @@ PTX and a cubin (tests/cuda_compile.py: ptxas ships in the triton wheel). What t
 shares between them:
 
 - the matrix of variants: every op with every store mode the host code selects
-  (``variants``), each at a DeepSeek-V3 shape sizing its largest tiles (``OPS``, ``DSV3``);
+  (``variants``), each at a DeepSeek-V3 shape sizing its largest tiles (``OPS``, ``DSV3``), and
+  ops 1 and 3 at the smallest tiles the host picks (``SMALL_BATCH``, op 3 at 128 heads);
 - ``capture_launch``: the backend's entry point (``rope_cache_write`` and friends) is called
   with DeepSeek-V3-shaped CPU tensors while the process looks like a machine of the target
   (a context manager of the caller's: ``torch.version.hip``, the device properties, the
@@ -64,17 +65,18 @@ class Variant:
     out_scale: bool = False  # q_scale (op 2)
     early: bool = False  # bound with binding.py's early_index_loads promise (the vLLM plugin's launches)
     shape: tuple[int, int] | None = None  # (T, H) in place of the op's OPS shape
+    neox: bool = False  # NeoX rotation (halves) in place of GPT-J's (interleaved pairs), DeepSeek's
 
     @property
     def label(self) -> str:
         cache = f"{self.cache}{' /scale' if self.cache_scale else ''}"
-        early = ", early index loads" if self.early else ""
-        if self.shape is not None:
-            early += ", T={} H={}".format(*self.shape)
+        rest = ", early index loads" if self.early else ""
+        rest += ", NeoX" if self.neox else ""
+        rest += ", T={} H={}".format(*self.shape) if self.shape is not None else ""
         if self.out is None:
-            return f"cache {cache}{early}"
+            return f"cache {cache}{rest}"
         name = "q_out" if self.op == "decode" else "k_out"
-        return f"cache {cache}, {name} {self.out}{' /scale' if self.out_scale else ''}{early}"
+        return f"cache {cache}, {name} {self.out}{' /scale' if self.out_scale else ''}{rest}"
 
     @property
     def slug(self) -> str:
@@ -100,12 +102,15 @@ def variants() -> list[Variant]:
     # The smallest tiles the host picks, where several warps hold a whole tile at once (a warp
     # racing ahead could store into what another has yet to load: backends/triton.py,
     # _loads_before_in_place_stores): ops 1 and 3 on few tokens (one token per cache tile, two rows
-    # per query tile) and op 3 at 128 heads (one token per cache tile at any batch), with a plain
-    # store and with the bit encoder's.
+    # per query tile) and op 3 at 128 heads (one token per cache tile at any batch), with a bf16
+    # cache and an e4m3fnuz one (stored through sm_90's bit encoder), and the NeoX rotation's two
+    # half-row loads and stores on few tokens.
     for op, shape in (("rope_cache_write", SMALL_BATCH), ("prefill", SMALL_BATCH), ("prefill", (4096, 128))):
         for cache in ("bfloat16", "float8_e4m3fnuz"):
             out.append(Variant(op, "bfloat16", cache, cache in FP8, None if op == "rope_cache_write" else cache,
                                shape=shape))  # fmt: skip
+    out += [Variant("rope_cache_write", "bfloat16", "bfloat16", False, shape=SMALL_BATCH, neox=True),
+            Variant("prefill", "bfloat16", "bfloat16", False, "bfloat16", shape=SMALL_BATCH, neox=True)]
     return out
 
 
@@ -142,7 +147,7 @@ def capture_launch(machine, v: Variant):
 
     dt = {name: getattr(torch, name) for name in ("bfloat16", "float16", "float32", *FP8)}
     shape = OPS[v.op] if v.shape is None else dict(zip("TH", v.shape))
-    kw = dict(shape, **DSV3, act_dtype=dt[v.act], cs_dtype=torch.float32, cache_dtype=dt[v.cache],
+    kw = dict(shape, **DSV3, is_neox=v.neox, act_dtype=dt[v.act], cs_dtype=torch.float32, cache_dtype=dt[v.cache],
               scale=0.5 if v.cache_scale else None, seed=0)  # fmt: skip
     if v.op == "decode":
         kw.update(decode=True, q_out_dtype=dt[v.out], q_scale=0.7 if v.out_scale else None)

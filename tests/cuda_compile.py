@@ -186,7 +186,7 @@ def report(arch: str, v: aot.Variant, dump: Path | None = None) -> dict:
     return dict(
         c.fields(arch, v), triton=triton_version(), pdl=c.kwargs["USE_PDL"], early_index_loads=c.kwargs["EARLY_INDEX_LOADS"],
         waits=len(waits), loads_before_wait=len(GLOBAL_LOAD.findall(ptx, 0, waits[0] if waits else len(ptx))),
-        load_order=load_order(c.kernel.asm["ttir"]),
+        load_order=load_order(c.kernel.asm["ttir"]), load_order_ttgir=load_order(c.kernel.asm["ttgir"]),
         regs=int(regs.group(1)), stack=stack, spill_stores=spill_stores, spill_loads=spill_loads,
         shared=c.kernel.metadata.shared,
         fp8_cvt=sorted(set(FP8_CVT.findall(ptx))), griddepcontrol=sorted(set(GRIDDEP.findall(ptx))),

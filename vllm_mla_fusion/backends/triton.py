@@ -38,7 +38,10 @@ the position.
 
 Each kind of program is a loads helper and a stores helper: all of a tile's
 loads are issued before any of its stores (latent and nope columns past the
-first 512 excepted, loaded by the stores helper as they are stored).
+first 512 excepted, loaded by the stores helper as they are stored). A program
+that rotates its input in place (ops 1 and 3) waits at a CTA barrier between
+the two, so that no warp stores into a small tile another warp has yet to load
+(``_loads_before_in_place_stores``).
 
 The entry points take 23 (op 1), 29 (op 2) and 29 (op 3) parameters: the
 pointers, the sizes, the data tensors' strides as one tuple bound with the
@@ -579,7 +582,9 @@ def _loads_before_in_place_stores(OP: tl.constexpr):
     an H100 (docs/performance-history.md, optimisation log, row 34). Op 1's stores happened to be
     safe without it (the same layout as their loads, or a layout conversion whose shared-memory
     round trip synchronizes the warps), but only as long as the compiler keeps choosing such
-    layouts; the barrier makes it so on any compiler. Op 2 writes only tensors it does not read."""
+    layouts; with the barrier it holds whatever layouts the compiler picks (the sm_90 compile check
+    asserts every load of the in-place tensor before it and every store after it, in Triton's GPU
+    IR too). Op 2 writes only tensors it does not read."""
     if OP != OP_DECODE:
         tl.debug_barrier()
 
@@ -718,7 +723,8 @@ def _query_program(pid, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCALE: tl
     the output row: op 2 q_out = [ql_nope | rope(q_pe)], op 3 the k_nope part of k_out (whose rope
     part the cache programs write), for tokens from key_start on (always 0 for op 2).
     ``POW2_SCALE``: the output's scale is a power of two, as in _cache_program. Loads before
-    stores, as there."""
+    stores, as there, and a CTA barrier between them where q_pe is rotated in place (ops 1 and 3:
+    _loads_before_in_place_stores)."""
     tile = _query_tile_loads(pid, rope, q_pe, nope, out, sizes, dims, meta, POW2_SCALE)
     _loads_before_in_place_stores(meta.OP)
     _query_tile_stores(tile, q_pe, nope, out, dims, meta, POW2_SCALE)
