@@ -380,3 +380,64 @@ def test_the_custom_op_takes_key_start_by_keyword_after_its_positional_backend(b
     with pytest.raises(ValueError, match="k_nope"):
         torch.ops.mla_fusion.mla_prefill_rope_cache_write(*bad.prefill_args(), backend)  # key_start 0: T rows
     _unchanged(bad, live)
+
+
+def _expanded(name: str, dim: int):
+    """``name`` replaced by a view whose elements along ``dim`` all share the first one's memory."""
+
+    def mutate(case):
+        t = getattr(case, name)
+        first = [slice(None)] * t.dim()
+        first[dim] = slice(0, 1)
+        setattr(case, name, t[tuple(first)].expand(t.shape))
+
+    return mutate
+
+
+# What each op writes (the rest it only reads), and a dimension along which to share one element's memory.
+WRITTEN = {"rope_cache_write": [("q_pe", 1), ("k_pe", 0), ("kv_cache", 0)],
+           "decode": [("q_out", 1), ("kv_cache", 1)],
+           "prefill": [("q_pe", 1), ("k_pe", 0), ("kv_cache", 0), ("k_out", 1)]}  # fmt: skip
+SHARED_MEMORY_CASES = [(op, entry, name, dim) for op in OPS for entry in ENTRY_POINTS for name, dim in WRITTEN[op]]
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@pytest.mark.parametrize("op,entry,name,dim", SHARED_MEMORY_CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in SHARED_MEMORY_CASES])
+def test_rejects_a_written_tensor_whose_elements_share_memory(backend, op, entry, name, dim):
+    """An expand()-ed output (stride 0) would be written by several programs at one address at once:
+    refused as torch's in-place ops refuse it, naming the tensor, before anything is written."""
+    case = _case(op, T=6, H=2, seed=2)
+    live = _live(case)
+    _expanded(name, dim)(case)
+    with pytest.raises(ValueError, match=re.escape(f"{name} is written by the op, so no two of its elements")):
+        _call(case, entry, backend, op)
+    _unchanged(case, live)
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+def test_decode_reads_expanded_inputs_as_their_copies(backend):
+    """Op 2 only reads q_pe and k_pe: expand()-ed views of them are valid input, giving the bytes their
+    contiguous copies give."""
+    views, copies = _case("decode", T=6, H=2, seed=3), _case("decode", T=6, H=2, seed=3)
+    for case in (views, copies):
+        _expanded("q_pe", 1)(case)
+        _expanded("k_pe", 0)(case)
+    copies.q_pe, copies.k_pe = copies.q_pe.contiguous(), copies.k_pe.contiguous()
+    _call(views, "public", backend, "decode")
+    _call(copies, "public", backend, "decode")
+    for name in ("q_out", "kv_cache"):
+        a, b = getattr(views, name), getattr(copies, name)
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+        assert not torch.equal(a.view(torch.uint8), views.originals[name].view(torch.uint8)), f"{name} not written"
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+def test_a_token_dimension_of_stride_0_is_refused_at_any_token_count(backend):
+    """One token with a stride-0 token dimension overlaps nothing, but the layout it binds serves every
+    later token count without validating again (binding.py): refused at one token already."""
+    case = _case("rope_cache_write", T=1, H=2, seed=5)
+    live = _live(case)
+    case.k_pe = case.k_pe.as_strided(case.k_pe.shape, (0, *case.k_pe.stride()[1:]))
+    with pytest.raises(ValueError, match=re.escape("k_pe is written by the op, so no two of its elements")):
+        _call(case, "public", backend, "rope_cache_write")
+    _unchanged(case, live)

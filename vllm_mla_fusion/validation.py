@@ -56,6 +56,18 @@ def _require_ndim(name: str, t: torch.Tensor, ndims: tuple[int, ...], layout: st
         raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
 
 
+def _require_distinct_elements(name: str, t: torch.Tensor) -> None:
+    """``t``, which the op writes, has no two elements at one address: no dimension of stride 0 (an
+    ``expand``-ed view), the overlap torch's own in-place ops refuse. Its programs would write one
+    address at once from several elements' values. The token dimension (the first) counts whatever
+    its size: a layout, once bound, serves every token count (binding.py)."""
+    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        if stride == 0 and (dim == 0 or size > 1):
+            raise ValueError(f"{name} is written by the op, so no two of its elements may share memory; it has "
+                             f"stride 0 in dimension {dim} (shape {tuple(t.shape)}, strides {t.stride()}): "
+                             "pass a tensor that owns its elements (not an expand()-ed view)")  # fmt: skip
+
+
 def check_argument_types(**args: object) -> None:
     """Python types of a public function's arguments, checked before torch's dispatcher sees them.
 
@@ -231,6 +243,8 @@ def check_rope_cache_write(
     p = _check_common(
         positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_dtype, kv_cache_scale
     )
+    for name, t in (("q_pe", q_pe), ("k_pe", k_pe), ("kv_cache", kv_cache)):
+        _require_distinct_elements(name, t)
     _debug_check_indices(p, positions, slot_mapping, cos_sin_cache, kv_cache)
     return p
 
@@ -273,6 +287,8 @@ def check_decode_rope_cache_write(
         if t.device != q_pe.device:
             raise ValueError(f"{name} is on {t.device} but q_pe is on {q_pe.device}; all tensors must share a device")
     _check_scale("q_scale", q_scale, q_pe.device)
+    for name, t in (("q_out", q_out), ("kv_cache", kv_cache)):  # q_pe and k_pe are only read here
+        _require_distinct_elements(name, t)
     _debug_check_indices(p, positions, slot_mapping, cos_sin_cache, kv_cache)
     return replace(p, q_out_dtype=q_out.dtype)
 
@@ -327,6 +343,8 @@ def check_prefill_rope_cache_write(
     for name, t in (("k_nope", k_nope), ("k_out", k_out)):
         if t.device != q_pe.device:
             raise ValueError(f"{name} is on {t.device} but q_pe is on {q_pe.device}; all tensors must share a device")
+    for name, t in (("q_pe", q_pe), ("k_pe", k_pe), ("kv_cache", kv_cache), ("k_out", k_out)):
+        _require_distinct_elements(name, t)
     _debug_check_indices(p, positions, slot_mapping, cos_sin_cache, kv_cache)
     return replace(p, nope_dim=P, k_out_dtype=k_out.dtype)
 
