@@ -119,7 +119,9 @@ def _built_before_the_block_size(vllm_cpu, monkeypatch, manager_block_size=H.BLO
     (``Platform.update_block_size_for_backend``, after ``load_model``): FLASHMLA's 64, say,
     where the layers saw the default 16. The profile run comes after that. ``manager_block_size``:
     the size it settles (``--block-size``), of which the cache's kernel blocks may be a divisor
-    (vLLM's ``select_common_block_size``: CPU_MLA takes 16 only).
+    (vLLM's ``select_common_block_size``). The backend's kernels take 16 or 64 here (CPU_MLA's
+    take 16 only, which would make the size at construction, 64, select 16 as well): a layer
+    that kept the size it was built with would compile kernels for blocks of 64.
     """
     from vllm_mla_fusion.vllm_plugin import prewarm
 
@@ -130,6 +132,9 @@ def _built_before_the_block_size(vllm_cpu, monkeypatch, manager_block_size=H.BLO
     cache_config = vllm_cpu.config.cache_config
     monkeypatch.setattr(cache_config, "block_size", 4 * H.BLOCK_SIZE)
     attn = vllm_cpu.build_attention()
+    backend = H.mla_layer(attn)[1].attn_backend
+    monkeypatch.setattr(backend, "get_supported_kernel_block_sizes",
+                        staticmethod(lambda kv_cache_spec=None: [H.BLOCK_SIZE, 4 * H.BLOCK_SIZE]))  # fmt: skip
     cache_config.block_size = manager_block_size  # what vLLM settles before the profile run
     vllm_cpu.finish_weights(attn, seed=4)
     H.mla_layer(attn)[1].bind_kv_cache(H.new_kv_cache(seed=9))
